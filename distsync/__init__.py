@@ -1,0 +1,19 @@
+"""distsync: synchronized batch norm and data-parallel tools natively on ``torch.distributed``."""
+
+from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
+from .convert import BatchNormNd, convert_sync_batchnorm, revert_sync_batchnorm
+from .distributed import init_distributed
+from .errors import SyncError, SyncMismatchError
+
+__all__ = [
+    "BatchNormNd",
+    "DistSyncBatchNorm",
+    "DistSyncBatchNorm1d",
+    "DistSyncBatchNorm2d",
+    "DistSyncBatchNorm3d",
+    "SyncError",
+    "SyncMismatchError",
+    "convert_sync_batchnorm",
+    "init_distributed",
+    "revert_sync_batchnorm",
+]

@@ -1,0 +1,143 @@
+"""Batch-norm modules whose batch statistics are synchronized across ranks."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ._transport import Reducer, process_group_reducer
+from .functional import SyncBatchNormFunction, SyncCounter
+
+__all__ = ["DistSyncBatchNorm", "DistSyncBatchNorm1d", "DistSyncBatchNorm2d", "DistSyncBatchNorm3d"]
+
+# Construction order numbers layers; every rank builds the same model in the same order, so ids agree.
+_layer_ids = itertools.count()
+
+
+class DistSyncBatchNorm(_BatchNorm):
+    r"""Batch normalization over the union of the batches of all ranks of a process group.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} * \gamma + \beta
+
+    Mean and variance are computed per channel over the concatenation of every rank's batch, exactly as
+    ``nn.BatchNorm`` would on the global batch: one ``all_reduce`` of moment statistics (O(C), independent
+    of the world size) per forward and one per backward. Uneven and empty per-rank batches are exact.
+    Works on any device and backend (gloo on CPU included). Parameters, buffers and ``state_dict`` keys are
+    those of ``nn.BatchNorm*``, so checkpoints load both ways.
+
+    Without an initialized process group, or with a group of one rank, it is exactly ``nn.BatchNorm``.
+    Eval mode with running statistics never communicates; whenever batch statistics are used
+    (training, or ``track_running_stats=False``) every rank of the group must call the layer.
+    Ranks that call layers out of step raise :class:`distsync.SyncMismatchError` on every rank.
+
+    Args:
+        num_features: number of channels :math:`C` of an input of size :math:`(N, C, *)`
+        eps: value added to the denominator for numerical stability. Default: 1e-5
+        momentum: weight of the new batch in the running statistics, or ``None`` for a cumulative
+            average. Default: 0.1
+        affine: learnable per-channel scale and shift. Default: ``True``
+        track_running_stats: keep running mean and variance for eval mode. Default: ``True``
+        process_group: ranks whose statistics are combined. Default: ``None`` (the default group)
+
+    Shape:
+        - Input: :math:`(N, C, *)`, any rank >= 2, any memory format
+        - Output: same shape, dtype and memory format as the input
+
+    Examples::
+
+        >>> # under torchrun, after distsync.init_distributed()
+        >>> bn = distsync.DistSyncBatchNorm(64)
+        >>> out = bn(torch.randn(8, 64, 16, 16))
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.process_group = process_group
+        self._sync_counter = SyncCounter(next(_layer_ids), type(self).__name__)
+        self._replica_reducer: Reducer | None = None
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def _input_problem(self, input: Tensor) -> str | None:
+        try:
+            self._check_input_dim(input)
+        except ValueError as error:
+            return f"{self._sync_counter.layer_name}: {error}"
+        if input.shape[1] != self.num_features:
+            return (
+                f"{self._sync_counter.layer_name}: expected {self.num_features} channels in dimension 1, "
+                f"got input of size {list(input.shape)}"
+            )
+        return None
+
+    def _reducer(self) -> Reducer | None:
+        """Who this layer syncs with right now, or None to behave like plain BatchNorm."""
+        if self._replica_reducer is not None:
+            return self._replica_reducer
+        return process_group_reducer(self.process_group)
+
+    def forward(self, input: Tensor) -> Tensor:
+        uses_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        reducer = self._reducer() if uses_batch_stats else None
+        if reducer is None:
+            return super().forward(input)
+        return self._sync_forward(input, reducer)
+
+    @torch.compiler.disable
+    def _sync_forward(self, input: Tensor, reducer: Reducer) -> Tensor:
+        update_running = self.training and self.track_running_stats
+        return SyncBatchNormFunction.apply(
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean if update_running else None,
+            self.running_var if update_running else None,
+            self.num_batches_tracked if update_running else None,
+            self.momentum,
+            self.eps,
+            self.num_features,
+            reducer,
+            self._sync_counter,
+            self._input_problem(input),
+        )
+
+
+class DistSyncBatchNorm1d(DistSyncBatchNorm):
+    """:class:`DistSyncBatchNorm` for :math:`(N, C)` or :math:`(N, C, L)` inputs, like ``nn.BatchNorm1d``."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() not in (2, 3):
+            raise ValueError(f"expected 2D or 3D input (got {input.dim()}D input)")
+
+
+class DistSyncBatchNorm2d(DistSyncBatchNorm):
+    """:class:`DistSyncBatchNorm` for :math:`(N, C, H, W)` inputs, like ``nn.BatchNorm2d``."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() != 4:
+            raise ValueError(f"expected 4D input (got {input.dim()}D input)")
+
+
+class DistSyncBatchNorm3d(DistSyncBatchNorm):
+    """:class:`DistSyncBatchNorm` for :math:`(N, C, D, H, W)` inputs, like ``nn.BatchNorm3d``."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() != 5:
+            raise ValueError(f"expected 5D input (got {input.dim()}D input)")

@@ -1,0 +1,114 @@
+"""Swap ``nn.BatchNorm*`` and ``nn.SyncBatchNorm`` for :class:`DistSyncBatchNorm` in a module tree, and back."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
+
+__all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "BatchNormNd"]
+
+
+class BatchNormNd(_BatchNorm):
+    """Plain batch norm accepting any input rank >= 2: the local twin of a rank-agnostic sync layer."""
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+
+_TO_SYNC = {
+    nn.BatchNorm1d: DistSyncBatchNorm1d,
+    nn.BatchNorm2d: DistSyncBatchNorm2d,
+    nn.BatchNorm3d: DistSyncBatchNorm3d,
+    nn.SyncBatchNorm: DistSyncBatchNorm,
+}
+_TO_LOCAL = {
+    DistSyncBatchNorm1d: nn.BatchNorm1d,
+    DistSyncBatchNorm2d: nn.BatchNorm2d,
+    DistSyncBatchNorm3d: nn.BatchNorm3d,
+    DistSyncBatchNorm: BatchNormNd,
+}
+
+
+def _swap(module: _BatchNorm, new_cls: type[_BatchNorm], **extra) -> _BatchNorm:
+    """A ``new_cls`` layer sharing ``module``'s parameters and buffers (the same tensor objects)."""
+    reference = module.running_mean if module.weight is None else module.weight
+    factory = {} if reference is None else {"device": reference.device, "dtype": reference.dtype}
+    new = new_cls(
+        module.num_features,
+        module.eps,
+        module.momentum,
+        module.affine,
+        module.track_running_stats,
+        **extra,
+        **factory,
+    )
+    for name, param in module.named_parameters(recurse=False):
+        setattr(new, name, param)
+    for name, buffer in module.named_buffers(recurse=False):
+        setattr(new, name, buffer)
+    new.train(module.training)
+    if hasattr(module, "qconfig"):
+        new.qconfig = module.qconfig
+    return new
+
+
+def _match(module: nn.Module, table: dict) -> type | None:
+    return next((table[cls] for cls in type(module).__mro__ if cls in table), None)
+
+
+def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Replace every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` by its distsync twin.
+
+    Parameters are kept as the same objects (so optimizers built before still point at them), and so are
+    buffers, ``requires_grad``, ``training``, device and dtype. Layers are created in module order, which
+    gives them the same identity on every rank of a model built the same way.
+
+    Args:
+        module: a module tree, or a single batch-norm layer
+        process_group: ranks to synchronize with. Default: ``None`` (the default group)
+
+    Returns:
+        ``module`` with its batch-norm layers replaced (a new object if ``module`` itself is one).
+
+    Example::
+
+        >>> model = distsync.convert_sync_batchnorm(torchvision.models.resnet18())
+    """
+    new_cls = _match(module, _TO_SYNC) if not isinstance(module, DistSyncBatchNorm) else None
+    if new_cls is not None and not isinstance(module, nn.modules.lazy.LazyModuleMixin):
+        converted = _swap(module, new_cls, process_group=process_group)
+        converted._sync_counter.layer_name = f"{new_cls.__name__}({module.num_features})"
+        return converted
+    for name, child in module.named_children():
+        converted = convert_sync_batchnorm(child, process_group)
+        if converted is not child:
+            module.add_module(name, converted)
+    _name_sync_layers(module)
+    return module
+
+
+def _name_sync_layers(module: nn.Module) -> None:
+    """Name layers by their path in the tree, for error messages that point at the right place."""
+    for path, layer in module.named_modules():
+        if isinstance(layer, DistSyncBatchNorm) and path:
+            layer._sync_counter.layer_name = f"'{path}' ({type(layer).__name__})"
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Replace every :class:`DistSyncBatchNorm` in ``module`` by plain ``nn.BatchNorm1d/2d/3d``.
+
+    For export and single-process inference. The rank-agnostic ``DistSyncBatchNorm`` becomes
+    :class:`BatchNormNd`. Parameters and buffers are kept as the same objects.
+    """
+    new_cls = _match(module, _TO_LOCAL)
+    if new_cls is not None:
+        return _swap(module, new_cls)
+    for name, child in module.named_children():
+        converted = revert_sync_batchnorm(child)
+        if converted is not child:
+            module.add_module(name, converted)
+    return module

@@ -1,0 +1,67 @@
+"""Process-group setup for torchrun workers and small rank-aware helpers."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_distributed", "is_distributed", "get_rank", "get_world_size", "group_size"]
+
+
+def is_distributed() -> bool:
+    """True when ``torch.distributed`` is available and a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """This process's rank in the default group, 0 when not distributed."""
+    return dist.get_rank() if is_distributed() else 0
+
+
+def get_world_size() -> int:
+    """Number of ranks in the default group, 1 when not distributed."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def group_size(process_group: dist.ProcessGroup | None) -> int:
+    """Number of ranks in ``process_group`` (default group if None), 1 when not distributed."""
+    return dist.get_world_size(process_group) if is_distributed() else 1
+
+
+def init_distributed(
+    backend: str = "auto",
+    timeout: datetime.timedelta | float | None = None,
+) -> torch.device:
+    """Join the torchrun world described by the environment and return this rank's device.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` as set by torchrun.
+    With ``backend="auto"`` it picks ``nccl`` and ``cuda:LOCAL_RANK`` when CUDA is available, otherwise
+    ``gloo`` and the CPU. It is a no-op (returning the device) when the default group already exists, and
+    when no torchrun environment is present it returns the device without creating a group, so the same
+    script runs single-process.
+
+    Args:
+        backend: ``"auto"``, or any backend name ``torch.distributed`` accepts. Default: ``"auto"``
+        timeout: collective timeout, a ``timedelta`` or seconds. Default: the backend's default
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
+    if use_cuda:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if is_distributed() or "WORLD_SIZE" not in os.environ:
+        return device
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    if isinstance(timeout, (int, float)):
+        timeout = datetime.timedelta(seconds=timeout)
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend=backend, **kwargs)
+    return device

@@ -1,0 +1,142 @@
+"""Synchronized batch normalization as an autograd Function: one all-reduce forward, one backward."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _moments
+from ._moments import BACKWARD, FORWARD, CallTag
+from ._transport import Reducer
+
+
+class SyncCounter:
+    """Identity of one synchronized layer and how often each direction has synced (for desync checks)."""
+
+    def __init__(self, layer_id: int, layer_name: str) -> None:
+        self.layer_id = layer_id
+        self.layer_name = layer_name
+        self.calls = [0, 0]
+
+    def next_tag(self, direction: int) -> CallTag:
+        call = self.calls[direction]
+        self.calls[direction] = call + 1
+        return CallTag(self.layer_id, direction, call, self.layer_name)
+
+    def fresh_copy(self) -> SyncCounter:
+        """Same identity, own counts (for a replica that syncs independently of the original)."""
+        copy = SyncCounter(self.layer_id, self.layer_name)
+        copy.calls = list(self.calls)
+        return copy
+
+
+def _per_channel(values: Tensor, ndim: int) -> Tensor:
+    return values.view(1, -1, *([1] * (ndim - 2)))
+
+
+def _update_running_stats(
+    running_mean: Tensor,
+    running_var: Tensor,
+    num_batches_tracked: Tensor | None,
+    momentum: float | None,
+    mean: Tensor,
+    unbiased_var: Tensor,
+) -> None:
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+    if momentum is None:  # cumulative moving average
+        factor = (1.0 / num_batches_tracked).to(running_mean.dtype)
+    else:
+        factor = momentum
+    running_mean.lerp_(mean.to(running_mean.dtype), factor)
+    running_var.lerp_(unbiased_var.to(running_var.dtype), factor)
+
+
+class SyncBatchNormFunction(torch.autograd.Function):
+    """Batch norm whose statistics are those of the union of all participants' batches.
+
+    Forward reduces per-channel count, ``n * mean`` and ``M2 + n * mean^2`` (float64); backward reduces
+    ``sum(dy)`` and ``sum(dy * x_hat)``. Weight and bias gradients stay local, like ``nn.SyncBatchNorm``:
+    DistributedDataParallel averages them.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        input: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        num_batches_tracked: Tensor | None,
+        momentum: float | None,
+        eps: float,
+        num_features: int,
+        reducer: Reducer,
+        counter: SyncCounter,
+        problem: str | None,
+    ) -> Tensor:
+        tag = counter.next_tag(FORWARD)
+        payload = _moments.forward_payload(None if problem else input, num_features, input.device, tag)
+        reducer.all_reduce(payload)
+        count, sum_first, sum_second = _moments.unpack(payload, reducer.world_size, tag, problem)
+        if count <= 1:
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got {count} over all ranks "
+                f"(input size on this rank {list(input.shape)}) at {tag.describe()}"
+            )
+        mean64, m2 = _moments.merge_moments(count, sum_first, sum_second)
+        stat_dtype = _moments.stat_dtype(input.dtype)
+        mean = mean64.to(stat_dtype)
+        var = (m2 / count).to(stat_dtype)
+        if running_mean is not None and running_var is not None:
+            _update_running_stats(
+                running_mean, running_var, num_batches_tracked, momentum, mean64, m2 / (count - 1)
+            )
+        output = torch.batch_norm(
+            input, weight, bias, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled
+        )
+        ctx.save_for_backward(input, weight, mean, var)
+        ctx.eps = eps
+        ctx.count = count
+        ctx.reducer = reducer
+        ctx.counter = counter
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        input, weight, mean, var = ctx.saved_tensors
+        need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+        if input.numel():
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+                grad_output, input, weight, mean, var, None, None, False, ctx.eps, [False, True, True]
+            )
+        else:
+            sum_dy_xhat = torch.zeros_like(mean)
+            sum_dy = torch.zeros_like(mean)
+        grad_input = None
+        if need_input:
+            grad_input = _sync_grad_input(ctx, grad_output, input, weight, mean, var, sum_dy, sum_dy_xhat)
+        grad_weight = sum_dy_xhat.to(weight.dtype) if need_weight else None
+        grad_bias = sum_dy.to(weight.dtype) if need_bias else None
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
+
+
+def _sync_grad_input(ctx, grad_output, input, weight, mean, var, sum_dy, sum_dy_xhat) -> Tensor:
+    """dx = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all participants."""
+    tag = ctx.counter.next_tag(BACKWARD)
+    payload = _moments.pack(sum_dy.double(), sum_dy_xhat.double(), 0, tag, failed=False)
+    ctx.reducer.all_reduce(payload)
+    _, global_dy, global_dy_xhat = _moments.unpack(payload, ctx.reducer.world_size, tag, None)
+    if not input.numel():
+        return torch.empty_like(input)
+    scale = torch.rsqrt(var + ctx.eps)
+    if weight is not None:
+        scale = scale * weight
+    mean_dy = (global_dy / ctx.count).to(scale.dtype)
+    mean_dy_xhat = (global_dy_xhat / ctx.count).to(scale.dtype)
+    # The x_hat-dependent part and the constant in one fused eval-mode batch-norm pass, then + scale * dy.
+    grad_input = torch.batch_norm(
+        input, -scale * mean_dy_xhat, -scale * mean_dy, mean, var, False, 0.0, ctx.eps, False
+    )
+    return grad_input.addcmul_(grad_output, _per_channel(scale, input.dim()))
