@@ -48,22 +48,44 @@ def reduce_dims(input: Tensor) -> list[int]:
     return [0, *range(2, input.dim())]
 
 
-def local_moments(input: Tensor) -> tuple[int, Tensor, Tensor]:
-    """Count, mean and centred sum of squares per channel of this rank's batch, in ``stat_dtype``."""
+class LocalMoments(NamedTuple):
+    """This rank's per-channel statistics, and its input shifted by a per-channel value.
+
+    Normalizing ``shifted`` with ``global_mean - shift`` avoids the rounding of ``x * a + b`` with large
+    ``x`` when the mean is far from zero; the shift is the local mean where that costs no extra pass.
+    """
+
+    count: int
+    mean: Tensor
+    m2: Tensor
+    shifted: Tensor
+    shift: Tensor
+
+
+def local_moments(input: Tensor) -> LocalMoments:
+    """Count, mean and centred sum of squares per channel of this rank's batch (float64 for float32 and
+    float64 inputs, float32 for half inputs, whose kernel accumulates in float32)."""
     num_channels = input.shape[1]
     count = input.numel() // num_channels if num_channels else 0
     dtype = stat_dtype(input.dtype)
+    zeros = torch.zeros(num_channels, dtype=dtype, device=input.device)
     if count == 0:
-        zeros = torch.zeros(num_channels, dtype=dtype, device=input.device)
-        return 0, zeros, zeros.clone()
+        return LocalMoments(0, zeros, zeros, input, zeros)
     if input.dtype in (torch.float16, torch.bfloat16):
         # The fused kernel accumulates half inputs in float32 without an fp32 copy of the activation.
         _, mean, invstd = torch.native_batch_norm(input, None, None, None, None, True, 0.0, 0.0)
-        return count, mean, invstd.pow(-2) * count
-    dims = reduce_dims(input)
-    mean = input.sum(dims, dtype=dtype) / count
-    centred = input - _per_channel(mean, input.dim())
-    return count, mean, centred.square_().sum(dims)
+        return LocalMoments(count, mean, invstd.pow(-2) * count, input, zeros)
+    shift = input.sum(reduce_dims(input), dtype=dtype) / count
+    shifted = input - _per_channel(shift, input.dim())
+    # sum(s) and sum(s^2) of the shifted input in one pass (the eval-mode batch-norm backward reduces
+    # exactly these); sum(s) corrects the rounding of the float32 sum behind the shift.
+    ones = torch.ones_like(shift)
+    _, sum_sq, sum_shifted = torch.ops.aten.native_batch_norm_backward(
+        shifted, shifted, None, zeros, ones, None, None, False, 0.0, [False, True, True]
+    )
+    mean_shifted = sum_shifted.double() / count
+    m2 = sum_sq.double() - sum_shifted.double() * mean_shifted
+    return LocalMoments(count, shift.double() + mean_shifted, m2, shifted, shift)
 
 
 def _per_channel(values: Tensor, ndim: int) -> Tensor:
@@ -82,14 +104,17 @@ def pack(first: Tensor, second: Tensor, count: int, tag: CallTag, failed: bool) 
     return payload
 
 
-def forward_payload(input: Tensor | None, num_channels: int, device: torch.device, tag: CallTag) -> Tensor:
-    """Payload of moment sums for ``input``; ``None`` marks a rank whose input was rejected."""
+def forward_payload(
+    input: Tensor | None, num_channels: int, device: torch.device, tag: CallTag
+) -> tuple[Tensor, LocalMoments | None]:
+    """Payload of moment sums for ``input`` and its local moments; ``None`` marks a rejected input."""
     if input is None:
         zeros = torch.zeros(num_channels, dtype=torch.float64, device=device)
-        return pack(zeros, zeros, 0, tag, failed=True)
-    count, mean, m2 = local_moments(input)
-    mean64 = mean.double()
-    return pack(mean64 * count, m2.double() + mean64.square() * count, count, tag, failed=False)
+        return pack(zeros, zeros, 0, tag, failed=True), None
+    local = local_moments(input)
+    mean64 = local.mean.double()
+    sum_second = local.m2.double() + mean64.square() * local.count
+    return pack(mean64 * local.count, sum_second, local.count, tag, failed=False), local
 
 
 def unpack(payload: Tensor, world_size: int, tag: CallTag, problem: str | None) -> tuple[int, Tensor, Tensor]:

@@ -77,7 +77,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         problem: str | None,
     ) -> Tensor:
         tag = counter.next_tag(FORWARD)
-        payload = _moments.forward_payload(None if problem else input, num_features, input.device, tag)
+        payload, local = _moments.forward_payload(None if problem else input, num_features, input.device, tag)
         reducer.all_reduce(payload)
         count, sum_first, sum_second = _moments.unpack(payload, reducer.world_size, tag, problem)
         if count <= 1:
@@ -86,17 +86,17 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 f"(input size on this rank {list(input.shape)}) at {tag.describe()}"
             )
         mean64, m2 = _moments.merge_moments(count, sum_first, sum_second)
-        stat_dtype = _moments.stat_dtype(input.dtype)
-        mean = mean64.to(stat_dtype)
-        var = (m2 / count).to(stat_dtype)
         if running_mean is not None and running_var is not None:
             _update_running_stats(
                 running_mean, running_var, num_batches_tracked, momentum, mean64, m2 / (count - 1)
             )
+        stat_dtype = _moments.stat_dtype(input.dtype)
+        shifted_mean = (mean64 - local.shift.double()).to(stat_dtype)
+        var = (m2 / count).to(stat_dtype)
         output = torch.batch_norm(
-            input, weight, bias, mean, var, False, 0.0, eps, torch.backends.cudnn.enabled
+            local.shifted, weight, bias, shifted_mean, var, False, 0.0, eps, torch.backends.cudnn.enabled
         )
-        ctx.save_for_backward(input, weight, mean, var)
+        ctx.save_for_backward(local.shifted, weight, shifted_mean, var)
         ctx.eps = eps
         ctx.count = count
         ctx.reducer = reducer
@@ -105,6 +105,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: Tensor):
+        # ``input`` is the forward input shifted per channel, ``mean`` the global mean shifted alike.
         input, weight, mean, var = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         if input.numel():

@@ -1,0 +1,96 @@
+"""A small gloo world for benchmarks, and lockstep timing of interleaved variants across its ranks."""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long to measure: ``reps`` interleaved repetitions of ``inner`` calls each, after ``warmup`` calls."""
+
+    reps: int
+    inner: int
+    warmup: int = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    torch.set_num_threads(1)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        result = fn(*args)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(fn: Callable, *args, world_size: int = 2):
+    """Run ``fn(*args)`` on ``world_size`` spawned gloo ranks (one thread each); return rank 0's result."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the spawned ranks before they import torch
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_worker, args=(world_size, _free_port(), fn, args, queue), nprocs=world_size, join=True)
+    return queue.get()
+
+
+def device() -> torch.device:
+    """This rank's device: its CUDA device when there is one (ranks may share it), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync_device() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_interleaved(variants: dict[str, Callable[[], None]], budget: Budget) -> dict[str, list[float]]:
+    """Seconds per call of each variant, one entry per repetition, the slowest rank's time.
+
+    Every repetition runs each variant once as a block of ``budget.inner`` calls, the order rotating from
+    one repetition to the next so no variant always follows the same one. Every block starts on a barrier
+    (all ranks in lockstep) and its time is the maximum over the ranks.
+    """
+    names = list(variants)
+    for name in names:
+        for _ in range(budget.warmup):
+            variants[name]()
+    times = torch.zeros(len(names), budget.reps, dtype=torch.float64)
+    for rep in range(budget.reps):
+        shift = rep % len(names)
+        for index in list(range(shift, len(names))) + list(range(shift)):
+            fn = variants[names[index]]
+            _sync_device()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(budget.inner):
+                fn()
+            _sync_device()
+            times[index, rep] = (time.perf_counter() - start) / budget.inner
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return {name: times[i].tolist() for i, name in enumerate(names)}
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def median_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """Median over repetitions of the ratio of two variants timed side by side in that repetition."""
+    return statistics.median(a / b for a, b in zip(numerator, denominator))

@@ -1,0 +1,103 @@
+"""One batch-norm layer, forward + backward: distsync vs. native BN vs. the floor (native BN + 2 all-reduces)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from _harness import Budget, device, median, median_ratio, time_interleaved
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from distsync import DistSyncBatchNorm2d
+
+Shape = tuple[int, int, int, int]
+
+
+def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, between: Callable | None = None):
+    def run() -> None:
+        out = layer(x)
+        if between is not None:
+            between()
+        out.backward(grad)
+        if between is not None:
+            between()
+        x.grad = layer.weight.grad = layer.bias.grad = None
+
+    return run
+
+
+def torch_syncbn_status() -> str | None:
+    """None when ``nn.SyncBatchNorm`` trains on this device, else why not (its own error message)."""
+    layer = nn.SyncBatchNorm(4).to(device())
+    try:
+        layer(torch.randn(2, 4, 2, 2, device=device())).sum().backward()
+    except (ValueError, RuntimeError) as error:
+        return f"n/a: refuses {device().type.upper()} ({str(error).splitlines()[0][:60]})"
+    return None
+
+
+def layer_variants(shape: Shape, with_torch_syncbn: bool = False) -> dict[str, Callable[[], None]]:
+    """The timed variants for one input shape; all of them run the same local batch."""
+    dev = device()
+    channels = shape[1]
+    x = torch.randn(shape, device=dev, requires_grad=True)
+    grad = torch.randn(shape, device=dev)
+    payload = torch.zeros(2 * channels + 8, dtype=torch.float64, device=dev)
+    local = nn.BatchNorm2d(channels).to(dev)
+
+    def all_reduce() -> None:
+        dist.all_reduce(payload)
+
+    def all_reduce_x2() -> None:
+        all_reduce()
+        all_reduce()
+
+    variants = {
+        "sync": _fwd_bwd(DistSyncBatchNorm2d(channels).to(dev), x, grad),
+        "floor": _fwd_bwd(local, x, grad, between=all_reduce),
+        "local": _fwd_bwd(local, x, grad),
+        "allreduce_x2": all_reduce_x2,
+    }
+    if with_torch_syncbn:
+        variants["torch_syncbn"] = _fwd_bwd(nn.SyncBatchNorm(channels).to(dev), x, grad)
+    return variants
+
+
+def bench_shape(shape: Shape, budget: Budget, with_torch_syncbn: bool) -> dict:
+    """Median seconds per fwd+bwd of each variant, and the ratios to the floor."""
+    times = time_interleaved(layer_variants(shape, with_torch_syncbn), budget)
+    result = {"shape": list(shape), "median_s": {name: median(t) for name, t in times.items()}}
+    result["ratio_to_floor"] = {
+        name: median_ratio(t, times["floor"]) for name, t in times.items() if name in ("sync", "torch_syncbn")
+    }
+    result["times_s"] = times
+    return result
+
+
+def bench_layers(
+    shapes: list[Shape], sweeps: dict[str, list[Shape]], budget: Budget, sweep_budget: Budget
+) -> dict:
+    """The headline shapes, then the sweeps (e.g. over channels and over batch) drawn in the plot."""
+    status = torch_syncbn_status()
+    return {
+        "torch_syncbn": status,
+        "shapes": [bench_shape(shape, budget, status is None) for shape in shapes],
+        "sweeps": {
+            axis: [bench_shape(shape, sweep_budget, status is None) for shape in sweep]
+            for axis, sweep in sweeps.items()
+        },
+    }
+
+
+def profile_layer(shape: Shape, calls: int = 200, top: int = 14) -> str:
+    """Profiler table (self CPU time) of ``calls`` forward+backward passes of the distsync layer."""
+    run = layer_variants(shape)["sync"]
+    for _ in range(10):
+        run()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            run()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=48)

@@ -1,0 +1,140 @@
+"""A DDP training step of a small conv net: synced vs. local batch norm, memory, collectives, BN group."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _harness import Budget, device, median, median_ratio, time_interleaved
+from torch import nn
+from torch._C._profiler import _EventType
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.profiler import ProfilerActivity, profile
+
+import distsync
+
+BLOCKS, CHANNELS, SIZE, BATCH, CLASSES = 7, 32, 32, 16, 10
+
+
+def conv_net() -> nn.Sequential:
+    """7 conv-BN-ReLU blocks of 32 channels, global pooling and a linear head."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for block in range(BLOCKS):
+        layers += [
+            nn.Conv2d(3 if block == 0 else CHANNELS, CHANNELS, 3, padding=1, bias=False),
+            nn.BatchNorm2d(CHANNELS),
+            nn.ReLU(inplace=True),
+        ]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(CHANNELS, CLASSES))
+
+
+def _trainer(kind: str) -> Callable[[], None]:
+    """One training step (zero_grad, forward, loss, backward, SGD step) of the net with ``kind`` of BN."""
+    dev = device()
+    net = conv_net()
+    broadcast_buffers = kind == "local"
+    if kind in ("sync", "sync_group"):
+        group = dist.new_group(backend="gloo") if kind == "sync_group" else None
+        net = distsync.convert_sync_batchnorm(net, process_group=group)
+    elif kind == "torch_syncbn":
+        net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    model = DDP(net.to(dev), broadcast_buffers=broadcast_buffers)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    generator = torch.Generator().manual_seed(1 + dist.get_rank())
+    x = torch.randn(BATCH, 3, SIZE, SIZE, generator=generator).to(dev)
+    y = torch.randint(CLASSES, (BATCH,), generator=generator).to(dev)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def _peak_bytes(step: Callable[[], None]) -> int:
+    """Peak of the bytes allocated during one step, above what was allocated before it (profiler events)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    nodes, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if node.typed[0] == _EventType.Allocation:
+            allocations.append((node.start_time_ns, node.typed[1].alloc_size))
+    current = peak = 0
+    for _, size in sorted(allocations):
+        current += size
+        peak = max(peak, current)
+    return peak
+
+
+def _saved_bytes(step: Callable[[], None]) -> int:
+    """Bytes of the distinct storages autograd saved for backward during one step."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        step()
+    return sum(storages.values())
+
+
+def _count_collectives(step: Callable[[], None]) -> dict:
+    """Python-level ``dist.all_reduce`` calls (the BN syncs) and all gloo all-reduces (DDP included)."""
+    calls: list[int] = []
+    original = dist.all_reduce
+
+    @functools.wraps(original)
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            step()
+    finally:
+        dist.all_reduce = original
+    gloo = sum(e.count for e in prof.key_averages() if e.key.startswith("gloo:all_reduce"))
+    return {
+        "bn_all_reduces_per_step": len(calls),
+        "bn_layers": BLOCKS,
+        "per_layer": len(calls) / BLOCKS,
+        "payload_bytes": sorted(set(calls)),
+        "gloo_all_reduces_per_step": gloo,
+    }
+
+
+def bench_model(budget: Budget, with_torch_syncbn: bool) -> dict:
+    """Step times of every variant side by side, then memory and collectives of one step."""
+    kinds = ["local", "local_nobcast", "sync", "sync_group"] + (["torch_syncbn"] if with_torch_syncbn else [])
+    steps = {kind: _trainer(kind) for kind in kinds}
+    times = time_interleaved(steps, budget)
+    memory = {}
+    for kind in ("local", "sync"):
+        peak = torch.tensor([_peak_bytes(steps[kind]), _saved_bytes(steps[kind])], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        memory[kind] = {"peak_bytes": int(peak[0]), "saved_bytes": int(peak[1])}
+    return {
+        "median_s": {kind: median(t) for kind, t in times.items()},
+        "ratio_to_local": {kind: median_ratio(t, times["local"]) for kind, t in times.items()},
+        "ratio_to_local_nobcast": {kind: median_ratio(t, times["local_nobcast"]) for kind, t in times.items()},
+        "memory": memory,
+        "collectives": _count_collectives(steps["sync"]),
+        "times_s": times,
+    }

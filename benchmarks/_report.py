@@ -1,0 +1,125 @@
+"""The printed table, the JSON file and the PNG plot of one benchmark run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+LAYER_TARGET, LAYER_GOAL = 1.5, 1.15
+MODEL_TARGET, MODEL_GOAL = 1.25, 1.10
+MEMORY_TARGET = 1.1
+_AXIS_DIM = {"channels": 1, "batch": 0}
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.0f}"
+
+
+def _verdict(value: float, target: float, goal: float | None = None) -> str:
+    if goal is not None and value <= goal:
+        return "goal met"
+    return "target met" if value <= target else "MISSED"
+
+
+def _layer_table(layers: dict) -> list[str]:
+    torch_syncbn = layers["torch_syncbn"]
+    lines = [
+        "| shape (N,C,H,W) | distsync us | floor us | local BN us | 2x all_reduce us | nn.SyncBatchNorm "
+        f"| distsync/floor (target <={LAYER_TARGET}, goal {LAYER_GOAL}) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for entry in layers["shapes"]:
+        med, ratio = entry["median_s"], entry["ratio_to_floor"]
+        peer = (
+            torch_syncbn
+            if torch_syncbn
+            else f"{_us(med['torch_syncbn'])} us ({ratio['torch_syncbn']:.2f}x floor)"
+        )
+        lines.append(
+            f"| {tuple(entry['shape'])} | {_us(med['sync'])} | {_us(med['floor'])} | {_us(med['local'])} "
+            f"| {_us(med['allreduce_x2'])} | {peer} | **{ratio['sync']:.2f}** "
+            f"{_verdict(ratio['sync'], LAYER_TARGET, LAYER_GOAL)} |"
+        )
+    return lines
+
+
+def _model_table(model: dict, torch_syncbn: str | None) -> list[str]:
+    med, ratio, strict = model["median_s"], model["ratio_to_local"], model["ratio_to_local_nobcast"]
+    mem, coll = model["memory"], model["collectives"]
+    peak = mem["sync"]["peak_bytes"] / mem["local"]["peak_bytes"]
+    saved = mem["sync"]["saved_bytes"] / mem["local"]["saved_bytes"]
+    group = ratio["sync_group"] / ratio["sync"]
+    peer = torch_syncbn or f"{med['torch_syncbn'] * 1e3:.2f} ms ({ratio['torch_syncbn']:.2f}x local)"
+    mib = 2**20
+    return [
+        "| figure | measured | target | status |",
+        "|---|---|---|---|",
+        f"| DDP step, local BN (broadcast_buffers=True) | {med['local'] * 1e3:.2f} ms | | |",
+        f"| DDP step, local BN (broadcast_buffers=False) | {med['local_nobcast'] * 1e3:.2f} ms | | |",
+        f"| DDP step, distsync (broadcast_buffers=False) | {med['sync'] * 1e3:.2f} ms | | |",
+        f"| model ratio distsync / local BN | **{ratio['sync']:.3f}** (vs no-bcast local: "
+        f"{strict['sync']:.3f}) | <={MODEL_TARGET}, goal {MODEL_GOAL} "
+        f"| {_verdict(ratio['sync'], MODEL_TARGET, MODEL_GOAL)} |",
+        f"| peak bytes allocated in one step (profiler), sync / local | {peak:.3f} "
+        f"({mem['sync']['peak_bytes'] / mib:.2f} / {mem['local']['peak_bytes'] / mib:.2f} MiB) "
+        f"| <={MEMORY_TARGET} | {_verdict(peak, MEMORY_TARGET)} |",
+        f"| bytes saved for backward (saved_tensors_hooks), sync / local | {saved:.3f} "
+        f"({mem['sync']['saved_bytes'] / mib:.2f} / {mem['local']['saved_bytes'] / mib:.2f} MiB) "
+        f"| <={MEMORY_TARGET} | {_verdict(saved, MEMORY_TARGET)} |",
+        f"| BN all_reduces per layer per step | {coll['per_layer']:g} ({coll['bn_all_reduces_per_step']} for "
+        f"{coll['bn_layers']} layers; {coll['gloo_all_reduces_per_step']} gloo all_reduces incl. DDP) "
+        f"| 2 | {'ok' if coll['per_layer'] == 2 else 'MISSED'} |",
+        f"| BN payload bytes per all_reduce | {', '.join(map(str, coll['payload_bytes']))} "
+        f"(= (2C+8) x 8, C={32}) | O(C) | ok |",
+        f"| BN on a dedicated group: step {med['sync_group'] * 1e3:.2f} ms | {group:.3f}x the default group "
+        f"| keep only if < 1 | {'helps' if group < 0.97 else 'no measurable gain'} |",
+        f"| nn.SyncBatchNorm DDP step | {peer} | | |",
+    ]
+
+
+def table(results: dict) -> str:
+    """The whole report as Markdown tables (readable in a terminal, pasteable into README)."""
+    meta = results["meta"]
+    lines = [
+        f"distsync benchmark: {meta['world_size']} gloo ranks x 1 thread on {meta['device']}, torch "
+        f"{meta['torch']}; medians of {meta['reps']} interleaved repetitions, slowest rank per repetition"
+        f"{' (--quick)' if meta['quick'] else ''}",
+        "",
+        "Layer: one BN forward+backward; floor = native nn.BatchNorm2d fwd+bwd + 2 all_reduces of (2C+8) f64",
+        *_layer_table(results["layers"]),
+        "",
+        "Model: DDP training step, 7 conv-BN-ReLU blocks, C=32, 32x32, batch 16 per rank",
+        *_model_table(results["model"], results["layers"]["torch_syncbn"]),
+    ]
+    return "\n".join(lines)
+
+
+def write(results: dict, out: Path) -> list[Path]:
+    """Write ``results.json`` and ``syncbn.png`` under ``out``; return their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / "results.json", out / "syncbn.png"
+    json_path.write_text(json.dumps(results, indent=1))
+    _plot(results["layers"]["sweeps"], png_path)
+    return [json_path, png_path]
+
+
+def _plot(sweeps: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(6 * len(sweeps), 4.2), squeeze=False)
+    for ax, (axis, entries) in zip(axes[0], sweeps.items()):
+        xs = [entry["shape"][_AXIS_DIM[axis]] for entry in entries]
+        for name, style in (("sync", "o-"), ("floor", "s--"), ("local", "^:"), ("torch_syncbn", "d-.")):
+            if name in entries[0]["median_s"]:
+                ax.plot(xs, [entry["median_s"][name] * 1e6 for entry in entries], style, label=name)
+        fixed = [d for i, d in enumerate(entries[0]["shape"]) if i != _AXIS_DIM[axis]]
+        ax.set(xscale="log", yscale="log", xlabel=axis, ylabel="fwd+bwd time per layer (us)")
+        ax.set_title(f"BN layer vs {axis} (other dims {fixed})")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,189 @@
+"""Self-check: does synchronized batch norm equal BatchNorm on the global batch on this machine?
+
+Run ``python -m distsync.check --nproc 2``. It spawns gloo workers and compares :class:`DistSyncBatchNorm`
+on each rank's slice with float64 ``nn.BatchNorm`` on the concatenated batch: outputs, input gradients,
+summed parameter gradients and running statistics over several steps, then eval-mode outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
+from .testing import WorkerFailed, run_world
+
+_CLASSES = {
+    2: (nn.BatchNorm1d, DistSyncBatchNorm1d),
+    3: (nn.BatchNorm1d, DistSyncBatchNorm1d),
+    4: (nn.BatchNorm2d, DistSyncBatchNorm2d),
+    5: (nn.BatchNorm3d, DistSyncBatchNorm3d),
+}
+# (output / grads, running stats) tolerance, relative to the reference's norm
+_TOLERANCE = {
+    torch.float64: 1e-10,
+    torch.float32: 1e-5,
+    torch.float16: 4e-3,
+    torch.bfloat16: 2e-2,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One comparison: a global batch split over ranks, the layer options and the input format."""
+
+    sizes: tuple[int, ...]  # per-rank batch sizes; len(sizes) == world size
+    shape: tuple[int, ...] = (4, 3, 3)  # (C, *spatial)
+    dtype: torch.dtype = torch.float32
+    channels_last: bool = False
+    momentum: float | None = 0.1
+    affine: bool = True
+    track_running_stats: bool = True
+    generic_class: bool = False  # DistSyncBatchNorm instead of the rank-checking 1d/2d/3d class
+    offset: float = 0.0  # input mean in units of its standard deviation: far from zero tests the numerics
+    steps: int = 3
+
+    def describe(self) -> str:
+        flags = [
+            str(self.dtype).removeprefix("torch."),
+            "channels_last" if self.channels_last else "",
+            f"momentum={self.momentum}" if self.momentum != 0.1 else "",
+            "affine=False" if not self.affine else "",
+            "no running stats" if not self.track_running_stats else "",
+            "generic" if self.generic_class else "",
+            f"mean={self.offset:g}" if self.offset else "",
+        ]
+        return f"sizes={list(self.sizes)} shape=(N,{','.join(map(str, self.shape))}) " + " ".join(
+            f for f in flags if f
+        )
+
+
+def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    if expected.numel() == 0:
+        return 0.0
+    scale = expected.norm().item() or 1.0
+    return (actual.double() - expected).norm().item() / scale
+
+
+def run_case(case: Case, rank: int, seed: int = 0) -> dict[str, float]:
+    """Run ``case`` on this rank of the current world; return the worst relative errors by quantity."""
+    channels = case.shape[0]
+    ndim = len(case.shape) + 1
+    ref_cls, sync_cls = _CLASSES[ndim]
+    if case.generic_class:
+        sync_cls = DistSyncBatchNorm
+    options = dict(momentum=case.momentum, affine=case.affine, track_running_stats=case.track_running_stats)
+    gen = torch.Generator().manual_seed(seed)
+    reference = ref_cls(channels, **options).double()
+    param_dtype = torch.float64 if case.dtype == torch.float64 else torch.float32
+    layer = sync_cls(channels, **options, dtype=param_dtype)
+    if case.affine:
+        with torch.no_grad():
+            reference.weight.copy_(torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5)
+            reference.bias.copy_(torch.randn(channels, generator=gen, dtype=torch.float64))
+            layer.weight.copy_(reference.weight)
+            layer.bias.copy_(reference.bias)
+    begin = sum(case.sizes[:rank])
+    local = slice(begin, begin + case.sizes[rank])
+    errors: dict[str, float] = {}
+
+    def record(name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+        name = name if training else f"eval {name}"
+        errors[name] = max(errors.get(name, 0.0), _relative_error(actual, expected))
+
+    for step in range(case.steps + 1):
+        training = step < case.steps
+        reference.train(training)
+        layer.train(training)
+        scale = torch.rand(channels, generator=gen, dtype=torch.float64) * 3 + 0.1
+        global_x = torch.randn(sum(case.sizes), *case.shape, generator=gen, dtype=torch.float64)
+        global_x = ((global_x + case.offset) * scale.view(1, -1, *[1] * (ndim - 2))).to(case.dtype)
+        global_dy = torch.randn(global_x.shape, generator=gen, dtype=torch.float64).to(case.dtype)
+        ref_x = global_x.to(torch.float64, copy=True).requires_grad_()
+        ref_out = reference(ref_x)
+        ref_out.backward(global_dy.double())
+        x = global_x[local].clone()
+        if case.channels_last and ndim in (4, 5):
+            x = x.to(memory_format=torch.channels_last if ndim == 4 else torch.channels_last_3d)
+        x.requires_grad_()
+        out = layer(x)
+        out.backward(global_dy[local])
+        if out.dtype != x.dtype or out.shape != x.shape or out.stride() != x.stride():
+            raise AssertionError(f"output {out.dtype} {out.stride()} differs from input {x.dtype} {x.stride()}")
+        record("output", out.detach(), ref_out.detach()[local])
+        record("input grad", x.grad, ref_x.grad[local])
+        if case.affine:
+            for name in ("weight", "bias"):
+                summed = getattr(layer, name).grad.clone()
+                dist.all_reduce(summed)
+                record(f"{name} grad", summed, getattr(reference, name).grad)
+                getattr(layer, name).grad = None
+                getattr(reference, name).grad = None
+        if case.track_running_stats:
+            record("running_mean", layer.running_mean, reference.running_mean)
+            record("running_var", layer.running_var, reference.running_var)
+            if layer.num_batches_tracked.item() != reference.num_batches_tracked.item():
+                raise AssertionError("num_batches_tracked differs from the reference")
+    return errors
+
+
+def tolerance(case: Case) -> float:
+    """Largest relative error accepted for ``case`` (a mean far from zero gets no extra slack)."""
+    return _TOLERANCE[case.dtype]
+
+
+def _check_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, float]]:
+    return [run_case(case, rank) for case in cases]
+
+
+def default_cases(world_size: int) -> list[Case]:
+    """A tour of the layer's features for ``world_size`` ranks."""
+    even = tuple([4] * world_size)
+    uneven = tuple(range(1, world_size + 1))
+    with_empty = (0, *tuple(range(2, world_size + 1)))
+    return [
+        Case(even, shape=(5,)),
+        Case(uneven, shape=(4, 7)),
+        Case(with_empty, shape=(3, 4, 5)),
+        Case(uneven, shape=(3, 2, 3, 4)),
+        Case(even, shape=(8, 4, 4), channels_last=True),
+        Case(uneven, shape=(4, 3, 3), dtype=torch.float16),
+        Case(uneven, shape=(4, 3, 3), dtype=torch.bfloat16),
+        Case(uneven, shape=(4, 3, 3), dtype=torch.float64),
+        Case(uneven, momentum=None, affine=False),
+        Case(uneven, track_running_stats=False, generic_class=True),
+        Case(even, shape=(4, 8, 8), offset=1e4),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m distsync.check", description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2, help="number of gloo worker processes (default 2)")
+    args = parser.parse_args(argv)
+    if args.nproc < 1:
+        parser.error("--nproc must be >= 1")
+    cases = default_cases(args.nproc)
+    print(f"distsync self-check: {len(cases)} cases on {args.nproc} gloo ranks (torch {torch.__version__})")
+    try:
+        per_rank = run_world(_check_cases, args.nproc, cases)
+    except WorkerFailed as failure:
+        print(failure, file=sys.stderr)
+        return 1
+    failed = 0
+    for index, case in enumerate(cases):
+        worst = {key: max(rank_errors[index][key] for rank_errors in per_rank) for key in per_rank[0][index]}
+        error = max(worst.values())
+        ok = error <= tolerance(case)
+        failed += not ok
+        print(f"{'PASS' if ok else 'FAIL'}  max rel. error {error:.1e} (tol {tolerance(case):.0e})  {case.describe()}")
+    print(f"{len(cases) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

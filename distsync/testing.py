@@ -1,0 +1,85 @@
+"""Spawn small gloo worlds on one machine: the fixture behind the tests and ``python -m distsync.check``."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_world", "WorkerFailed"]
+
+
+class WorkerFailed(RuntimeError):
+    """A rank of a spawned world raised, hung, or died; carries every failing rank's traceback."""
+
+
+def free_port() -> int:
+    """A TCP port on localhost that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # report everything, the parent decides
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh gloo processes; return results by rank.
+
+    ``fn`` must be importable (module level) and its result picklable. Raises :class:`WorkerFailed` with
+    the tracebacks of failing ranks, or when the world does not finish within ``timeout`` seconds (the
+    processes are then killed, so a hang fails the caller instead of blocking it).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, results), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outcome: dict[int, tuple[bool, Any]] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outcome) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+                outcome[rank] = (ok, value)
+                continue
+            except queue.Empty:
+                pass
+            missing = sorted(set(range(world_size)) - set(outcome))
+            dead = [r for r in missing if procs[r].exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                why = f"died (exit codes {[procs[r].exitcode for r in dead]})" if dead else "hung"
+                raise WorkerFailed(f"ranks {dead or missing} {why} without a result")
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    failures = {rank: value for rank, (ok, value) in outcome.items() if not ok}
+    if failures:
+        report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
+        raise WorkerFailed(f"{len(failures)} rank(s) failed:\n{report}")
+    return [outcome[rank][1] for rank in range(world_size)]
