@@ -73,8 +73,11 @@ def local_moments(input: Tensor) -> LocalMoments:
         return LocalMoments(0, zeros, zeros, input, zeros)
     if input.dtype in (torch.float16, torch.bfloat16):
         # The fused kernel accumulates half inputs in float32 without an fp32 copy of the activation.
-        _, mean, invstd = torch.native_batch_norm(input, None, None, None, None, True, 0.0, 0.0)
-        return LocalMoments(count, mean, invstd.pow(-2) * count, input, zeros)
+        # A float32 weight selects the mixed-precision kernel, whose statistics are float32.
+        ones = torch.ones(num_channels, dtype=dtype, device=input.device)
+        _, mean, invstd = torch.native_batch_norm(input, ones, None, None, None, True, 0.0, 0.0)
+        m2 = torch.where(invstd > 0, count / invstd.double().square(), 0.0)  # invstd is 0 for var == 0
+        return LocalMoments(count, mean.double(), m2, input, zeros)
     shift = input.sum(reduce_dims(input), dtype=dtype) / count
     shifted = input - _per_channel(shift, input.dim())
     # sum(s) and sum(s^2) of the shifted input in one pass (the eval-mode batch-norm backward reduces

@@ -1,0 +1,21 @@
+"""Data-parallel training of a small CNN with :class:`distsync.DistSyncBatchNorm`, launched by torchrun.
+
+The package has no Hydra dependency except :mod:`distsync.train.launcher`, which registers the config
+schema and starts the elastic launches; :func:`run` is the worker every rank executes.
+"""
+
+from .config import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig
+from .model import SmallCNN, build_model
+from .worker import run
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "SmallCNN",
+    "TrainConfig",
+    "TrainerConfig",
+    "build_model",
+    "run",
+]

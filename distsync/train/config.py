@@ -1,0 +1,191 @@
+"""Training configuration: plain dataclasses with defaults and validation, no Hydra.
+
+Hydra registers these classes as the schema of ``conf/`` (see :mod:`distsync.train.launcher`); workers
+receive a resolved :class:`TrainConfig` instance, which pickles like any dataclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["ConfigError", "ModelConfig", "DataConfig", "OptimConfig", "TrainerConfig", "TrainConfig"]
+
+NORMS = ("sync", "local", "torch")
+DATASETS = ("digits", "synthetic")
+OPTIMIZERS = ("sgd", "adamw")
+SCHEDULES = ("cosine", "constant")
+METRICS = ("accuracy", "final_loss", "eval_loss")
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message starts with the dotted key."""
+
+
+def _require(ok: bool, key: str, message: str, value) -> None:
+    if not ok:
+        raise ConfigError(f"{key} {message} (got {value!r})")
+
+
+def _one_of(key: str, value, choices: tuple) -> None:
+    _require(value in choices, key, f"must be one of {', '.join(choices)}", value)
+
+
+@dataclass
+class ModelConfig:
+    """The small CNN: conv-BN-ReLU blocks, global average pooling, one linear classifier."""
+
+    name: str = "cnn"
+    """Model family; only ``cnn`` exists."""
+    channels: list[int] = field(default_factory=lambda: [32, 64, 64])
+    """Output channels of each conv block; blocks after the first start with a 2x2 max pool."""
+    norm: str = "sync"
+    """``sync``: DistSyncBatchNorm; ``local``: per-rank nn.BatchNorm2d; ``torch``: nn.SyncBatchNorm (CUDA)."""
+    dropout: float = 0.0
+    """Dropout before the classifier."""
+
+    def __post_init__(self) -> None:
+        _one_of("model.name", self.name, ("cnn",))
+        _one_of("model.norm", self.norm, NORMS)
+        _require(len(self.channels) >= 1, "model.channels", "must list at least one width", self.channels)
+        _require(all(c >= 1 for c in self.channels), "model.channels", "must be positive", self.channels)
+        _require(0.0 <= self.dropout < 1.0, "model.dropout", "must be in [0, 1)", self.dropout)
+
+
+@dataclass
+class DataConfig:
+    """Dataset and per-rank batch size. ``digits`` is scikit-learn's bundled 8x8 digits (no download)."""
+
+    name: str = "digits"
+    """``digits`` (1797 real 8x8 images, 10 classes) or ``synthetic`` (class templates plus noise)."""
+    batch_size: int = 32
+    """Samples per rank per step; the global batch is ``batch_size * world_size``."""
+    test_fraction: float = 0.2
+    """Held-out share of the samples, split stratified with ``split_seed``."""
+    split_seed: int = 0
+    """Seed of the train/test split (and of the synthetic data)."""
+    num_samples: int = 2000
+    """Synthetic only: number of images."""
+    num_classes: int = 10
+    """Synthetic only: number of classes."""
+    image_size: int = 8
+    """Synthetic only: height and width."""
+    noise: float = 1.0
+    """Synthetic only: standard deviation of the noise added to the class template."""
+
+    def __post_init__(self) -> None:
+        _one_of("data.name", self.name, DATASETS)
+        _require(self.batch_size >= 1, "data.batch_size", "must be >= 1", self.batch_size)
+        _require(0.0 < self.test_fraction < 1.0, "data.test_fraction", "must be in (0, 1)", self.test_fraction)
+        _require(self.num_samples >= 2, "data.num_samples", "must be >= 2", self.num_samples)
+        _require(self.num_classes >= 2, "data.num_classes", "must be >= 2", self.num_classes)
+        _require(self.image_size >= 2, "data.image_size", "must be >= 2", self.image_size)
+        _require(self.noise >= 0.0, "data.noise", "must be >= 0", self.noise)
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: str = "sgd"
+    """``sgd`` (with Nesterov momentum) or ``adamw``."""
+    lr: float = 0.1
+    """Peak learning rate."""
+    momentum: float = 0.9
+    """SGD momentum (ignored by AdamW)."""
+    weight_decay: float = 5e-4
+    """Weight decay."""
+    schedule: str = "cosine"
+    """``cosine`` decay to zero at ``trainer.max_steps``, or ``constant``."""
+    warmup_steps: int = 0
+    """Linear warm-up steps before the schedule."""
+
+    def __post_init__(self) -> None:
+        _one_of("optim.name", self.name, OPTIMIZERS)
+        _one_of("optim.schedule", self.schedule, SCHEDULES)
+        _require(self.lr > 0.0, "optim.lr", "must be > 0", self.lr)
+        _require(0.0 <= self.momentum < 1.0, "optim.momentum", "must be in [0, 1)", self.momentum)
+        _require(self.weight_decay >= 0.0, "optim.weight_decay", "must be >= 0", self.weight_decay)
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", self.warmup_steps)
+
+
+@dataclass
+class TrainerConfig:
+    """World size, length of the run, fault tolerance, logging and DDP options."""
+
+    nproc_per_node: int = 2
+    """Worker processes per node (one GPU each where CUDA exists)."""
+    nnodes: int = 1
+    """Nodes in the world; > 1 needs ``rdzv_endpoint`` (or SLURM, see docs/training.md)."""
+    max_steps: int = 1000
+    """Optimizer steps of the whole run (a resumed run does only the remaining ones)."""
+    max_restarts: int = 3
+    """How often the elastic agent restarts the world after a worker failure."""
+    checkpoint_every: int = 250
+    """Rank 0 writes a checkpoint every this many steps, and always at the end."""
+    keep_checkpoints: int = 2
+    """Newest checkpoints kept in ``<run_dir>/checkpoints``."""
+    log_every: int = 25
+    """Steps between metric lines (loss reduced across ranks)."""
+    eval_every: int = 250
+    """Steps between held-out evaluations; there is always one at the end."""
+    seed: int = 0
+    """Seed of the model init and the sampler; each rank's RNG is seeded with ``seed + rank``."""
+    backend: str = "auto"
+    """``auto`` (nccl with CUDA, else gloo), or a torch.distributed backend name."""
+    timeout_s: float = 300.0
+    """Collective timeout in seconds."""
+    metric: str = "accuracy"
+    """Summary field returned to Hydra (the value sweepers optimize)."""
+    progress: bool = True
+    """Progress bar on rank 0 when stderr is a terminal; plain log lines otherwise."""
+    monitor_interval: float = 0.5
+    """Seconds between the elastic agent's health checks of its workers."""
+    rdzv_endpoint: str = ""
+    """``host:port`` of the c10d rendezvous; empty: localhost on a free port (single node)."""
+    rdzv_id: str = ""
+    """Run id shared by the nodes of one job; empty: a fresh id (or the SLURM job id)."""
+    comm_hook: str = "none"
+    """DDP gradient communication hook: ``none``, ``fp16``/``bf16`` compression or ``powersgd``."""
+    powersgd_rank: int = 2
+    """Matrix rank of the PowerSGD approximation."""
+    local_sgd_period: int = 0
+    """Post-local-SGD: after ``local_sgd_warmup`` steps, average models every this many steps (0: off)."""
+    local_sgd_warmup: int = 100
+    """Steps of ordinary DDP before post-local-SGD starts."""
+
+    def __post_init__(self) -> None:
+        _require(self.nproc_per_node >= 1, "trainer.nproc_per_node", "must be >= 1", self.nproc_per_node)
+        _require(self.nnodes >= 1, "trainer.nnodes", "must be >= 1", self.nnodes)
+        _require(self.max_steps >= 1, "trainer.max_steps", "must be >= 1", self.max_steps)
+        _require(self.max_restarts >= 0, "trainer.max_restarts", "must be >= 0", self.max_restarts)
+        _require(self.checkpoint_every >= 1, "trainer.checkpoint_every", "must be >= 1", self.checkpoint_every)
+        _require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1", self.keep_checkpoints)
+        _require(self.log_every >= 1, "trainer.log_every", "must be >= 1", self.log_every)
+        _require(self.eval_every >= 1, "trainer.eval_every", "must be >= 1", self.eval_every)
+        _require(self.timeout_s > 0, "trainer.timeout_s", "must be > 0", self.timeout_s)
+        _require(self.monitor_interval > 0, "trainer.monitor_interval", "must be > 0", self.monitor_interval)
+        _one_of("trainer.metric", self.metric, METRICS)
+        _one_of("trainer.comm_hook", self.comm_hook, COMM_HOOKS)
+        _require(self.powersgd_rank >= 1, "trainer.powersgd_rank", "must be >= 1", self.powersgd_rank)
+        _require(self.local_sgd_period >= 0, "trainer.local_sgd_period", "must be >= 0", self.local_sgd_period)
+        _require(self.local_sgd_warmup >= 1, "trainer.local_sgd_warmup", "must be >= 1", self.local_sgd_warmup)
+        if self.nnodes > 1:
+            _require(":" in self.rdzv_endpoint or self.rdzv_endpoint == "", "trainer.rdzv_endpoint",
+                     "must be host:port", self.rdzv_endpoint)
+
+
+@dataclass
+class TrainConfig:
+    """A whole training run: the four groups of ``conf/``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self) -> None:
+        if self.trainer.local_sgd_period and self.trainer.comm_hook not in ("none",):
+            raise ConfigError(
+                f"trainer.local_sgd_period cannot be combined with trainer.comm_hook={self.trainer.comm_hook}"
+            )

@@ -1,0 +1,108 @@
+"""Datasets that need no download, and resumable per-rank batches over a ``DistributedSampler``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+from torch.utils.data.distributed import DistributedSampler
+
+from .config import ConfigError, DataConfig
+
+__all__ = ["Split", "load_data", "ShardedBatches", "shard_indices"]
+
+Split = tuple[Tensor, Tensor]
+"""Images ``(N, C, H, W)`` as float32 and labels ``(N,)`` as int64."""
+
+
+def load_data(cfg: DataConfig) -> tuple[Split, Split, int]:
+    """Train split, held-out split and number of classes; deterministic in ``cfg`` (same on every rank)."""
+    images, labels, num_classes = _digits() if cfg.name == "digits" else _synthetic(cfg)
+    train_idx, test_idx = _stratified_split(labels, cfg.test_fraction, cfg.split_seed)
+    train_x, test_x = images[train_idx], images[test_idx]
+    mean, std = train_x.mean(), train_x.std().clamp_min(1e-6)
+    return ((train_x - mean) / std, labels[train_idx]), ((test_x - mean) / std, labels[test_idx]), num_classes
+
+
+def _digits() -> tuple[Tensor, Tensor, int]:
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = torch.as_tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return images, torch.as_tensor(bunch.target, dtype=torch.int64), 10
+
+
+def _synthetic(cfg: DataConfig) -> tuple[Tensor, Tensor, int]:
+    gen = torch.Generator().manual_seed(cfg.split_seed)
+    size = cfg.image_size
+    templates = torch.randn(cfg.num_classes, 1, size, size, generator=gen)
+    labels = torch.randint(cfg.num_classes, (cfg.num_samples,), generator=gen)
+    noise = cfg.noise * torch.randn(cfg.num_samples, 1, size, size, generator=gen)
+    return templates[labels] + noise, labels, cfg.num_classes
+
+
+def _stratified_split(labels: Tensor, test_fraction: float, seed: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    train, test = [], []
+    for cls in labels.unique():
+        idx = (labels == cls).nonzero().flatten()
+        idx = idx[torch.randperm(len(idx), generator=gen)]
+        n_test = round(len(idx) * test_fraction)
+        test.append(idx[:n_test])
+        train.append(idx[n_test:])
+    return torch.cat(train).sort().values, torch.cat(test).sort().values
+
+
+def shard_indices(n: int, rank: int, world_size: int) -> Tensor:
+    """This rank's share of ``range(n)`` for evaluation: every sample exactly once over all ranks."""
+    return torch.arange(rank, n, world_size)
+
+
+class ShardedBatches:
+    """Endless per-rank training batches, epoch after epoch, that can resume mid-epoch.
+
+    A :class:`DistributedSampler` (shuffled with ``seed``, ``set_epoch`` every epoch, tail dropped so
+    every rank gets the same number of samples) picks this rank's samples; full batches of
+    ``batch_size`` are cut from them, so every rank takes the same number of steps per epoch.
+    :meth:`state_dict` is the position ``(epoch, batch)``: a resumed run sees exactly the batches it would
+    have seen.
+
+    Args:
+        data: the training split
+        batch_size: samples per rank per step
+        rank: this rank
+        world_size: number of ranks
+        seed: shuffling seed, the same on every rank
+    """
+
+    def __init__(self, data: Split, batch_size: int, rank: int, world_size: int, seed: int) -> None:
+        self.images, self.labels = data
+        self.sampler = DistributedSampler(
+            range(len(self.labels)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
+        self.batch_size = batch_size
+        self.batches_per_epoch = len(self.sampler) // batch_size
+        if self.batches_per_epoch == 0:
+            raise ConfigError(
+                f"data.batch_size must be at most {len(self.sampler)} with {world_size} ranks "
+                f"({len(self.labels)} training samples) (got {batch_size})"
+            )
+        self.epoch = 0
+        self.batch = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        while True:
+            self.sampler.set_epoch(self.epoch)
+            order = torch.tensor(list(self.sampler))
+            while self.batch < self.batches_per_epoch:
+                idx = order[self.batch * self.batch_size : (self.batch + 1) * self.batch_size]
+                self.batch += 1
+                yield self.images[idx], self.labels[idx]
+            self.epoch, self.batch = self.epoch + 1, 0

@@ -1,0 +1,220 @@
+"""The Hydra side of training: config registration, the task function body and elastic launches.
+
+This is the only ``distsync`` module that imports Hydra or OmegaConf. It turns the composed ``DictConfig``
+into a plain :class:`~distsync.train.config.TrainConfig` and then either
+
+* starts a torchrun world of ``trainer.nproc_per_node`` workers with
+  :func:`torch.distributed.launcher.api.elastic_launch` (a plain ``python launch/train.py``, every job of a
+  ``-m`` sweep), or
+* runs :func:`distsync.train.worker.run` in this very process when the script itself was started by an
+  external ``torchrun`` (``TORCHELASTIC_RUN_ID`` is set).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import sys
+import uuid
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .config import ConfigError, TrainConfig
+
+__all__ = ["register_configs", "to_train_config", "prepare_argv", "hydra_main", "launch", "under_torchrun"]
+
+_SCHEMA = "train_schema"
+
+
+def register_configs() -> None:
+    """Register :class:`TrainConfig` as ``train_schema``, the first entry of ``conf/config.yaml``'s defaults."""
+    ConfigStore.instance().store(name=_SCHEMA, node=TrainConfig)
+
+
+register_configs()
+
+
+def under_torchrun() -> bool:
+    """True in a process that an external ``torchrun`` (or any elastic agent) started as a worker."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """Resolve ``cfg`` into a :class:`TrainConfig`; raises :class:`ConfigError` naming the bad key."""
+    try:
+        train_cfg = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None) or "config"
+        message = getattr(error, "msg", None) or str(error)
+        raise ConfigError(f"{key}: {message.splitlines()[0]}") from error
+    if not isinstance(train_cfg, TrainConfig):
+        raise ConfigError(f"config: expected the train_schema structure, got {type(train_cfg).__name__}")
+    return train_cfg
+
+
+def _fail(message: str, error: BaseException | None = None) -> None:
+    """Exit non-zero with a short message, or re-raise with HYDRA_FULL_ERROR=1."""
+    if error is not None and os.environ.get("HYDRA_FULL_ERROR") == "1":
+        raise error
+    sys.stderr.write(f"Error: {message}\n")
+    if error is not None:
+        sys.stderr.write("Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n")
+    sys.stderr.flush()
+    raise SystemExit(1)
+
+
+# ----------------------------------------------------------------------------------------- external torchrun
+
+
+def prepare_argv(argv: list[str] | None = None) -> None:
+    """Adjust Hydra's command line in a worker of an external ``torchrun``; a no-op otherwise.
+
+    Refuses ``-m``/``--multirun`` (a sweep would start one world per job inside a world). Unless
+    ``hydra.run.dir`` is given, every rank gets the same timestamped run directory: the first rank to ask
+    the torchrun agent's store decides, the others (and restarted workers) read it back. Only rank 0 keeps
+    ``hydra.output_subdir``, so ``.hydra/`` is written once.
+    """
+    argv = sys.argv if argv is None else argv
+    if not under_torchrun():
+        return
+    if any(arg in ("-m", "--multirun") or arg.startswith("hydra.mode=") for arg in argv[1:]):
+        _fail(
+            "-m/--multirun cannot run under an external torchrun: every sweep job starts its own torchrun "
+            "world. Run the sweep without torchrun: python launch/train.py -m ..."
+        )
+    if not any(arg.startswith(("hydra.run.dir=", "+hydra.run.dir=")) for arg in argv[1:]):
+        argv.append(f"hydra.run.dir={_shared_run_dir()}")
+    if int(os.environ.get("RANK", "0")) != 0:
+        argv.append("hydra.output_subdir=null")
+
+
+def _shared_run_dir() -> str:
+    """Hydra's default ``outputs/<date>/<time>``, chosen once per torchrun job through the agent's store."""
+    candidate = datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return f"outputs/torchrun/{run_id}"
+    import torch.distributed as dist
+
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    # compare_set writes only when the key is absent, and returns the value that is stored in the end.
+    return store.compare_set(f"distsync/run_dir/{run_id}", "", candidate).decode()
+
+
+# ------------------------------------------------------------------------------------------- task function
+
+
+def hydra_main(cfg: DictConfig) -> float:
+    """Body of ``launch/train.py``'s ``@hydra.main`` task: validate, train, return rank 0's final metric."""
+    try:
+        train_cfg = to_train_config(cfg)
+        _check_environment(train_cfg)
+    except ConfigError as error:
+        _fail(str(error), error)
+    hydra_cfg = HydraConfig.get()
+    run_dir = hydra_cfg.runtime.output_dir
+    if under_torchrun():
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            _fail("-m/--multirun cannot run under an external torchrun")
+        from .worker import run
+
+        summary = run(train_cfg, run_dir)
+    else:
+        summary = launch(train_cfg, run_dir)
+    return summary[train_cfg.trainer.metric]
+
+
+def _check_environment(cfg: TrainConfig) -> None:
+    import torch
+
+    world = cfg.trainer.nproc_per_node * cfg.trainer.nnodes
+    if under_torchrun():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+    if cfg.model.norm == "torch" and world > 1 and not torch.cuda.is_available():
+        raise ConfigError(
+            "model.norm=torch uses nn.SyncBatchNorm, which needs CUDA with more than one rank; "
+            "use model.norm=sync (DistSyncBatchNorm runs on CPU/gloo)"
+        )
+
+
+# ------------------------------------------------------------------------------------------ elastic launch
+
+
+def launch(cfg: TrainConfig, run_dir: str) -> dict:
+    """Run :func:`distsync.train.worker.run` on a torchrun world started here; return rank 0's summary.
+
+    Single node: c10d rendezvous on ``localhost`` with a port the OS picks, so jobs can run side by side.
+    Multi-node: ``trainer.nnodes`` agents meet at ``trainer.rdzv_endpoint`` under ``trainer.rdzv_id``;
+    under SLURM both default to the job's first host and id (one agent per node, see docs/training.md).
+    Workers that die are restarted together up to ``trainer.max_restarts`` times and resume from the
+    newest checkpoint.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from .worker import run
+
+    t = cfg.trainer
+    endpoint, run_id = _rendezvous(cfg)
+    config = LaunchConfig(
+        min_nodes=t.nnodes,
+        max_nodes=t.nnodes,
+        nproc_per_node=t.nproc_per_node,
+        run_id=run_id,
+        role="distsync",
+        rdzv_endpoint=endpoint,
+        rdzv_backend="c10d",
+        rdzv_configs={"timeout": 900} if t.nnodes > 1 else {},
+        max_restarts=t.max_restarts,
+        monitor_interval=t.monitor_interval,
+        start_method="spawn",
+    )
+    os.makedirs(run_dir, exist_ok=True)
+    try:
+        results = elastic_launch(config, run)(cfg, os.path.abspath(run_dir))
+    except ChildFailedError as error:
+        _fail(f"training failed after {t.max_restarts} restart(s):\n{error.format_msg()}", error)
+    return results[0] if 0 in results else next(iter(results.values()))
+
+
+def _rendezvous(cfg: TrainConfig) -> tuple[str, str]:
+    t = cfg.trainer
+    if t.nnodes == 1 and not t.rdzv_endpoint:
+        return "localhost:0", t.rdzv_id or uuid.uuid4().hex
+    endpoint, run_id = t.rdzv_endpoint, t.rdzv_id
+    if "SLURM_JOB_ID" in os.environ:
+        host, job_id = _slurm_first_host_and_id()
+        endpoint = endpoint or f"{host}:29500"
+        run_id = run_id or job_id
+    if not endpoint:
+        raise ConfigError("trainer.rdzv_endpoint must be host:port when trainer.nnodes > 1 outside SLURM")
+    return endpoint, run_id or "distsync"
+
+
+def _slurm_first_host_and_id() -> tuple[str, str]:
+    """First host of the allocation and the job id, from submitit when it runs this job, else scontrol."""
+    try:
+        import submitit
+
+        env = submitit.JobEnvironment()
+        return env.hostnames[0], str(env.job_id)
+    except (ImportError, RuntimeError):
+        import subprocess
+
+        nodes = subprocess.run(
+            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        return nodes[0] if nodes else socket.gethostname(), os.environ["SLURM_JOB_ID"]

@@ -1,0 +1,328 @@
+"""The training worker: one process of a torchrun world, started with a resolved :class:`TrainConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
+
+import distsync
+from distsync.distributed import get_rank, get_world_size, is_distributed
+
+from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .comm import CommSetup
+from .config import TrainConfig
+from .data import ShardedBatches, load_data, shard_indices
+from .logs import console_quiet, init_logger
+from .metrics import MetricsLog, plot_curves, write_json_atomic
+from .model import all_norms_synced, batch_norms, build_model
+
+__all__ = ["run"]
+
+KILL_AT_STEP_ENV = "DISTSYNC_TEST_KILL_AT_STEP"
+"""Test hook: the rank in ``DISTSYNC_TEST_KILL_RANK`` (default 1) SIGKILLs itself after this step, on the
+first attempt only (``TORCHELASTIC_RESTART_COUNT=0``). Used by the fault-tolerance test."""
+
+
+@record
+def run(cfg: TrainConfig, run_dir: str) -> dict:
+    """Train under the torchrun environment (or single-process without one) and return the summary.
+
+    Joins the process group with :func:`distsync.init_distributed`, resumes from the newest checkpoint in
+    ``<run_dir>/checkpoints`` if there is one, trains until ``trainer.max_steps``, and on rank 0 writes
+    ``metrics.jsonl``, checkpoints, ``summary.json`` and ``curves.png`` under ``run_dir``. Every rank
+    returns the same summary (all its values are reduced across ranks).
+
+    Args:
+        cfg: the resolved configuration (a plain dataclass, picklable)
+        run_dir: the run directory, the same on every rank
+    """
+    started = time.time()
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    device = distsync.init_distributed(cfg.trainer.backend, timeout=cfg.trainer.timeout_s)
+    try:
+        return _Trainer(cfg, Path(run_dir), device, started).fit()
+    finally:
+        if is_distributed():
+            dist.destroy_process_group()
+
+
+class _Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, device: torch.device, started: float) -> None:
+        self.cfg, self.run_dir, self.device, self.started = cfg, run_dir, device, started
+        self.rank, self.world_size = get_rank(), get_world_size()
+        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.log = init_logger(run_dir, self.rank)
+        t = cfg.trainer
+
+        torch.manual_seed(t.seed)  # the same initial model on every rank
+        train, self.test, num_classes = load_data(cfg.data)
+        self.batches = ShardedBatches(train, cfg.data.batch_size, self.rank, self.world_size, t.seed)
+        self.model = build_model(cfg.model, train[0].shape[1], num_classes).to(device)
+        self.comm = CommSetup(t, self.world_size)
+        self.optimizer = self.comm.wrap_optimizer(_optimizer(cfg, self.model))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg))
+        _seed_everything(t.seed + self.rank)  # per-rank randomness (dropout) from here on
+
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=self.rank == 0)
+        self.step, self.last_loss, self.resumed_from = 0, math.nan, None
+        self.first_started = started
+        self._resume()
+        self.ddp = self._wrap_ddp()
+
+    # ------------------------------------------------------------------------------------------- setup
+
+    def _wrap_ddp(self) -> torch.nn.Module:
+        if not is_distributed():
+            return self.model
+        synced = all_norms_synced(self.model)
+        ddp = DistributedDataParallel(
+            self.model,
+            device_ids=[self.device] if self.device.type == "cuda" else None,
+            broadcast_buffers=not synced,  # synchronized BN keeps the buffers equal already
+        )
+        self.comm.register_hook(ddp, self.step)
+        return ddp
+
+    def _resume(self) -> None:
+        """Load the newest checkpoint rank 0 sees (every rank the same one)."""
+        path = latest_checkpoint(self.run_dir) if self.rank == 0 else None
+        path = _broadcast_object(str(path) if path else None)
+        if path is None:
+            return
+        state = load_checkpoint(path)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.batches.load_state_dict(state["batches"])
+        rngs = state["rng"]
+        if len(rngs) == self.world_size:
+            set_rng_state(rngs[self.rank])
+        else:
+            self.log.warning("checkpoint from %d ranks, now %d: RNG reseeded", len(rngs), self.world_size)
+        self.step = self.resumed_from = int(state["step"])
+        self.last_loss = state["last_loss"]
+        self.first_started = state["started_at"]
+        self.metrics.truncate(self.step)
+        self.log.info("resumed from %s (step %d, restart %d)", path, self.step, self.restarts)
+
+    # ---------------------------------------------------------------------------------------- training
+
+    def fit(self) -> dict:
+        cfg, t = self.cfg, self.cfg.trainer
+        self.log.info(
+            "world_size=%d device=%s norm=%s global_batch=%d steps=%d run_dir=%s",
+            self.world_size, self.device, cfg.model.norm, cfg.data.batch_size * self.world_size,
+            t.max_steps, self.run_dir,
+        )
+        bar = _progress_bar(t.max_steps, self.step, enabled=self.rank == 0 and t.progress)
+        with console_quiet(bar is not None):  # with a bar, INFO lines go to the rank's file only
+            self._train(bar)
+        if bar is not None:
+            bar.close()
+        return self._finish()
+
+    def _train(self, bar) -> None:
+        t = self.cfg.trainer
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # sum of losses, count
+        batches = iter(self.batches)
+        self.ddp.train()
+        while self.step < t.max_steps:
+            images, labels = (x.to(self.device, non_blocking=True) for x in next(batches))
+            loss = F.cross_entropy(self.ddp(images), labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+            loss_sum += torch.stack([loss.detach().double(), loss.new_ones((), dtype=torch.float64)])
+            if bar is not None:
+                bar.update(1)
+            if self.step % t.log_every == 0 or self.step == t.max_steps:
+                self._log_train(loss_sum, bar)
+                loss_sum.zero_()
+            if self.step % t.eval_every == 0 and self.step < t.max_steps:
+                self._evaluate()
+            if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
+                self._checkpoint()
+            _test_kill_hook(self.step, self.rank, self.restarts)
+
+    def _log_train(self, loss_sum: torch.Tensor, bar) -> None:
+        _all_reduce(loss_sum)
+        self.last_loss = (loss_sum[0] / loss_sum[1]).item()
+        lr = self.scheduler.get_last_lr()[0]
+        row = {"kind": "train", "step": self.step, "epoch": self.batches.epoch, "loss": self.last_loss, "lr": lr,
+               "elapsed_s": round(time.time() - self.first_started, 3)}
+        self.metrics.write(**row)
+        if bar is not None:
+            bar.set_postfix(loss=f"{self.last_loss:.4f}", refresh=False)
+        self.log.info(_fmt(row))
+
+    @torch.no_grad()
+    def _evaluate(self) -> tuple[float, float]:
+        """Held-out accuracy and loss, each rank on its share, summed across ranks."""
+        images, labels = self.test
+        idx = shard_indices(len(labels), self.rank, self.world_size)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, count
+        self.model.eval()
+        for chunk in idx.split(1024):
+            x, y = images[chunk].to(self.device), labels[chunk].to(self.device)
+            logits = self.model(x)
+            totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
+            totals[1] += (logits.argmax(1) == y).sum().double()
+            totals[2] += len(y)
+        self.model.train()
+        _all_reduce(totals)
+        count = max(totals[2].item(), 1.0)
+        accuracy, eval_loss = totals[1].item() / count, totals[0].item() / count
+        self.metrics.write(kind="eval", step=self.step, accuracy=accuracy, eval_loss=eval_loss)
+        self.log.info("step %d: held-out accuracy %.4f, loss %.4f", self.step, accuracy, eval_loss)
+        return accuracy, eval_loss
+
+    def _checkpoint(self) -> None:
+        rngs = _all_gather_object(rng_state())
+        if self.rank != 0:
+            return
+        state = {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "batches": self.batches.state_dict(),
+            "rng": rngs,
+            "last_loss": self.last_loss,
+            "started_at": self.first_started,
+            "world_size": self.world_size,
+            "config": dataclasses.asdict(self.cfg),
+        }
+        path = save_checkpoint(self.run_dir, self.step, state, keep=self.cfg.trainer.keep_checkpoints)
+        self.log.info("checkpoint %s", path)
+
+    def _finish(self) -> dict:
+        accuracy, eval_loss = self._evaluate()
+        in_sync = self._bn_buffers_in_sync()
+        summary = {
+            "world_size": self.world_size,
+            "steps": self.step,
+            "final_loss": self.last_loss,
+            "accuracy": accuracy,
+            "eval_loss": eval_loss,
+            "bn_buffers_in_sync": in_sync,
+            "restarts": self.restarts,
+            "resumed_from_step": self.resumed_from,
+            "wall_seconds": round(time.time() - self.first_started, 3),
+            "attempt_wall_seconds": round(time.time() - self.started, 3),
+            "norm": self.cfg.model.norm,
+            "dataset": self.cfg.data.name,
+            "global_batch_size": self.cfg.data.batch_size * self.world_size,
+            "device": self.device.type,
+            "backend": dist.get_backend() if is_distributed() else None,
+            "comm_hook": self.cfg.trainer.comm_hook,
+            "local_sgd_period": self.cfg.trainer.local_sgd_period,
+        }
+        if self.rank == 0:
+            write_json_atomic(self.run_dir / "summary.json", summary)
+            plot_curves(self.metrics.rows(), self.run_dir / "curves.png",
+                        title=f"{self.cfg.data.name}, norm={self.cfg.model.norm}, {self.world_size} ranks")
+            self.log.info(
+                "done: %d steps, accuracy %.4f, final loss %.4f, bn_buffers_in_sync=%s, %.1f s -> %s",
+                self.step, accuracy, self.last_loss, in_sync, summary["wall_seconds"], self.run_dir,
+            )
+        return summary
+
+    def _bn_buffers_in_sync(self) -> bool:
+        """True iff every BN buffer is bitwise identical on all ranks (an element-wise max == min check)."""
+        buffers = [b.detach().double().flatten() for m in batch_norms(self.model) for b in m.buffers()]
+        if not buffers or not is_distributed():
+            return True
+        flat = torch.cat(buffers).to(self.device)
+        high, low = flat.clone(), flat.clone()
+        dist.all_reduce(high, dist.ReduceOp.MAX)
+        dist.all_reduce(low, dist.ReduceOp.MIN)
+        return bool(torch.equal(high, low))
+
+
+# -------------------------------------------------------------------------------------------- helpers
+
+
+def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    o = cfg.optim
+    if o.name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    return torch.optim.SGD(
+        model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.momentum > 0
+    )
+
+
+def _schedule(cfg: TrainConfig):
+    warmup, total, cosine = cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.schedule == "cosine"
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if not cosine:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _all_reduce(tensor: torch.Tensor) -> None:
+    if is_distributed():
+        dist.all_reduce(tensor)
+
+
+def _broadcast_object(obj):
+    if not is_distributed():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def _all_gather_object(obj) -> list:
+    if not is_distributed():
+        return [obj]
+    out = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _progress_bar(total: int, initial: int, enabled: bool):
+    if not (enabled and sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _fmt(row: dict) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "kind")
+
+
+def _test_kill_hook(step: int, rank: int, restarts: int) -> None:
+    at = os.environ.get(KILL_AT_STEP_ENV)
+    if at and restarts == 0 and step == int(at) and rank == int(os.environ.get("DISTSYNC_TEST_KILL_RANK", "1")):
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)

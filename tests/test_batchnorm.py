@@ -1,0 +1,142 @@
+"""DistSyncBatchNorm equals float64 nn.BatchNorm on the concatenated global batch, in real gloo worlds."""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distsync
+from distsync.check import Case, default_cases, run_case, tolerance
+from distsync.testing import run_world
+
+
+def random_cases(world_size: int, count: int, seed: int) -> list[Case]:
+    """A seeded sweep over input ranks, per-rank splits (empty ones included) and layer options."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(count):
+        spatial = tuple(rng.randint(1, 4) for _ in range(rng.choice([0, 1, 2, 3])))
+        sizes = tuple(rng.choice([0, 1, 2, 3, 5]) for _ in range(world_size))
+        if sum(sizes) * max(1, torch.Size(spatial).numel()) < 2:
+            sizes = (2, *sizes[1:])
+        cases.append(
+            Case(
+                sizes,
+                shape=(rng.randint(1, 6), *spatial),
+                dtype=rng.choice([torch.float32, torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+                channels_last=len(spatial) in (2, 3) and rng.random() < 0.3,
+                momentum=rng.choice([0.1, 0.5, None]),
+                affine=rng.random() < 0.7,
+                track_running_stats=rng.random() < 0.8,
+                generic_class=rng.random() < 0.3,
+                offset=rng.choice([0.0, 0.0, 3.0]),
+                steps=2,
+            )
+        )
+    return cases
+
+
+def _run_cases(rank, world_size, cases):
+    return [run_case(case, rank, seed=index) for index, case in enumerate(cases)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_matches_batchnorm_on_global_batch(world_size):
+    cases = default_cases(world_size) + random_cases(world_size, 24, seed=world_size)
+    per_rank = run_world(_run_cases, world_size, cases)
+    failures = []
+    for index, case in enumerate(cases):
+        for rank, errors in enumerate(per_rank):
+            bad = {k: v for k, v in errors[index].items() if not v <= tolerance(case)}
+            if bad:
+                failures.append(f"rank {rank} {case.describe()}: {bad}")
+    assert not failures, "\n".join(failures)
+
+
+def test_hard_numerics_mean_far_from_zero():
+    """float32 inputs whose mean is 1e4 times their std keep float32 accuracy (E[x^2]-E[x]^2 would not)."""
+    case = Case((6, 2), shape=(8, 6, 6), offset=1e4)
+    per_rank = run_world(_run_cases, 2, [case])
+    worst = max(max(errors[0].values()) for errors in per_rank)
+    assert worst < 1e-5
+
+
+def _count_collectives(rank, world_size):
+    calls = []
+    original = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel() * tensor.element_size())
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        layer = distsync.DistSyncBatchNorm2d(16)
+        x = torch.randn(4, 16, 5, 5, requires_grad=True)
+        layer(x).sum().backward()
+        train = list(calls)
+        calls.clear()
+        layer(torch.randn(4, 16, 5, 5)).sum()  # input needs no grad: no backward sync needed
+        no_input_grad = list(calls)
+        calls.clear()
+        layer.eval()
+        layer(x).sum().backward()
+        return train, no_input_grad, list(calls)
+    finally:
+        dist.all_reduce = original
+
+
+def test_one_all_reduce_per_direction_and_none_in_eval():
+    for train, no_input_grad, evaluation in run_world(_count_collectives, 2):
+        assert train == [(2 * 16 + 8) * 8] * 2  # forward + backward, O(C) float64
+        assert no_input_grad == [(2 * 16 + 8) * 8]
+        assert evaluation == []
+
+
+def test_without_process_group_is_plain_batchnorm():
+    torch.manual_seed(0)
+    reference = nn.BatchNorm2d(5)
+    layer = distsync.DistSyncBatchNorm2d(5)
+    layer.load_state_dict(reference.state_dict())
+    for _ in range(2):
+        x = torch.randn(3, 5, 4, 4)
+        assert torch.equal(layer(x), reference(x))
+    assert torch.equal(layer.running_var, reference.running_var)
+    assert layer.num_batches_tracked == reference.num_batches_tracked == 2
+
+
+def test_rank_checks_like_batchnorm():
+    with pytest.raises(ValueError, match="expected 4D input"):
+        distsync.DistSyncBatchNorm2d(3)(torch.randn(2, 3))
+    with pytest.raises(ValueError, match="expected 2D or 3D input"):
+        distsync.DistSyncBatchNorm1d(3)(torch.randn(2, 3, 2, 2))
+    with pytest.raises(ValueError, match="at least 2D"):
+        distsync.DistSyncBatchNorm(3)(torch.randn(3))
+    assert distsync.DistSyncBatchNorm(3)(torch.randn(2, 3, 2, 2, 2, 2)).shape == (2, 3, 2, 2, 2, 2)
+
+
+def _compiled_equals_eager(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4))
+    eager = distsync.convert_sync_batchnorm(model)
+    compiled_model = distsync.convert_sync_batchnorm(
+        nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4))
+    )
+    compiled_model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_model)
+    x = torch.randn(4 + rank, 3, 8, 8) + rank
+    out_eager, out_compiled = eager(x), compiled(x)
+    out_eager.square().sum().backward()
+    out_compiled.square().sum().backward()
+    return (
+        (out_eager - out_compiled).abs().max().item(),
+        (eager[0].weight.grad - compiled_model[0].weight.grad).abs().max().item(),
+        (eager[1].running_var - compiled_model[1].running_var).abs().max().item(),
+    )
+
+
+def test_torch_compile_matches_eager():
+    for errors in run_world(_compiled_equals_eager, 2):
+        assert max(errors) < 1e-5
