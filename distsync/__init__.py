@@ -4,8 +4,38 @@ from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm
 from .convert import BatchNormNd, convert_sync_batchnorm, revert_sync_batchnorm
 from .distributed import init_distributed
 from .errors import SyncError, SyncMismatchError
+from .parallel import (
+    CallbackContext,
+    DataParallelCriterion,
+    DataParallelModel,
+    DataParallelWithCallback,
+    ReplicationCallbackDataParallel,
+    SlavePipe,
+    SynchronizedBatchNorm1d,
+    SynchronizedBatchNorm2d,
+    SynchronizedBatchNorm3d,
+    SyncMaster,
+    convert_model,
+    exec_data_parallel_replication_callback,
+    patch_replication_callback,
+)
 
 __all__ = [
+    # the DataParallel compatibility shim (distsync.parallel)
+    "CallbackContext",
+    "DataParallelCriterion",
+    "DataParallelModel",
+    "DataParallelWithCallback",
+    "ReplicationCallbackDataParallel",
+    "SlavePipe",
+    "SyncMaster",
+    "SynchronizedBatchNorm1d",
+    "SynchronizedBatchNorm2d",
+    "SynchronizedBatchNorm3d",
+    "convert_model",
+    "exec_data_parallel_replication_callback",
+    "patch_replication_callback",
+    # core
     "BatchNormNd",
     "DistSyncBatchNorm",
     "DistSyncBatchNorm1d",

@@ -5,8 +5,8 @@ the wrong direction meets a well-formed reduction instead of a size mismatch::
 
     [ first (C) | second (C) | count | failed | layer, direction, call | layer^2, direction^2, call^2 ]
 
-Forward sends ``first = n * mean`` and ``second = M2 + n * mean^2`` (``M2`` the centred sum of squares);
-backward sends ``first = sum(dy)`` and ``second = sum(dy * x_hat)``. The call identity is folded into the
+Forward sends ``first = sum(x)`` and ``second = sum(x^2)``, both computed from a shifted input so that
+nothing cancels (see :class:`LocalMoments`); backward sends ``first = sum(dy)`` and ``second = sum(dy * x_hat)``. The call identity is folded into the
 sum: after a SUM over W ranks, ``(sum t)^2 == W * sum(t^2)`` holds for every identity field iff all ranks
 sent the same value, so every rank reaches the same verdict from the same reduced numbers.
 """
@@ -49,62 +49,65 @@ def reduce_dims(input: Tensor) -> list[int]:
 
 
 class LocalMoments(NamedTuple):
-    """This rank's per-channel statistics, and its input shifted by a per-channel value.
+    """This rank's contribution to the forward payload, and its input shifted per channel.
 
-    Normalizing ``shifted`` with ``global_mean - shift`` avoids the rounding of ``x * a + b`` with large
-    ``x`` when the mean is far from zero; the shift is the local mean where that costs no extra pass.
+    ``sums`` holds ``sum(x)`` and ``sum(x^2)`` per channel in float64, computed as sums of the shifted
+    input ``x - shift`` so that no large terms cancel. Normalizing ``shifted`` with ``mean - shift``
+    also keeps the output accurate when the mean is far from zero (``x * a + b`` with large ``x`` would
+    round it away). The shift is the local mean for float32/float64 inputs, zero for half inputs.
     """
 
-    count: int
-    mean: Tensor
-    m2: Tensor
+    sums: tuple[Tensor, Tensor]  # sum(x), sum(x^2): (C,) float64 each
     shifted: Tensor
-    shift: Tensor
+    shift: Tensor  # (C,) float64
 
 
 def local_moments(input: Tensor) -> LocalMoments:
-    """Count, mean and centred sum of squares per channel of this rank's batch (float64 for float32 and
-    float64 inputs, float32 for half inputs, whose kernel accumulates in float32)."""
+    """Per-channel ``sum(x)`` and ``sum(x^2)`` of this rank's batch, accurate for any mean."""
     num_channels = input.shape[1]
     count = input.numel() // num_channels if num_channels else 0
-    dtype = stat_dtype(input.dtype)
-    zeros = torch.zeros(num_channels, dtype=dtype, device=input.device)
+    device = input.device
+    no_shift = torch.zeros(num_channels, dtype=torch.float64, device=device)
     if count == 0:
-        return LocalMoments(0, zeros, zeros, input, zeros)
+        return LocalMoments((no_shift, no_shift), input, no_shift)
     if input.dtype in (torch.float16, torch.bfloat16):
-        # The fused kernel accumulates half inputs in float32 without an fp32 copy of the activation.
-        # A float32 weight selects the mixed-precision kernel, whose statistics are float32.
-        ones = torch.ones(num_channels, dtype=dtype, device=input.device)
+        # The fused kernel accumulates half inputs in float32 without an fp32 copy of the activation;
+        # a float32 weight selects its mixed-precision variant, whose statistics are float32.
+        ones = torch.ones(num_channels, dtype=torch.float32, device=device)
         _, mean, invstd = torch.native_batch_norm(input, ones, None, None, None, True, 0.0, 0.0)
+        mean = mean.double()
         m2 = torch.where(invstd > 0, count / invstd.double().square(), 0.0)  # invstd is 0 for var == 0
-        return LocalMoments(count, mean.double(), m2, input, zeros)
-    shift = input.sum(reduce_dims(input), dtype=dtype) / count
+        sum_x = mean * count
+        return LocalMoments((sum_x, torch.addcmul(m2, sum_x, mean)), input, no_shift)
+    shift = input.mean(reduce_dims(input))
     shifted = input - _per_channel(shift, input.dim())
-    # sum(s) and sum(s^2) of the shifted input in one pass (the eval-mode batch-norm backward reduces
-    # exactly these); sum(s) corrects the rounding of the float32 sum behind the shift.
-    ones = torch.ones_like(shift)
+    # sum(s^2) and sum(s) of the shifted input in one pass: exactly what eval-mode BN backward reduces.
     _, sum_sq, sum_shifted = torch.ops.aten.native_batch_norm_backward(
-        shifted, shifted, None, zeros, ones, None, None, False, 0.0, [False, True, True]
+        shifted, shifted, None, _zeros(shift), _ones(shift), None, None, False, 0.0, [False, True, True]
     )
-    mean_shifted = sum_shifted.double() / count
-    m2 = sum_sq.double() - sum_shifted.double() * mean_shifted
-    return LocalMoments(count, shift.double() + mean_shifted, m2, shifted, shift)
+    sum_shifted, sum_sq, shift = torch.stack([sum_shifted, sum_sq, shift]).double().unbind()
+    sum_x = torch.add(sum_shifted, shift, alpha=count)
+    sum_x2 = torch.addcmul(sum_sq, shift, sum_x + sum_shifted)  # sum (shift + s)^2
+    return LocalMoments((sum_x, sum_x2), shifted, shift)
+
+
+def _zeros(like: Tensor) -> Tensor:
+    return torch.zeros_like(like)
+
+
+def _ones(like: Tensor) -> Tensor:
+    return torch.ones_like(like)
 
 
 def _per_channel(values: Tensor, ndim: int) -> Tensor:
     return values.view(1, -1, *([1] * (ndim - 2)))
 
 
-def pack(first: Tensor, second: Tensor, count: int, tag: CallTag, failed: bool) -> Tensor:
-    """Build the float64 payload of one sync call (see the module docstring for the layout)."""
-    num_channels = first.numel()
-    payload = torch.empty(2 * num_channels + _TAIL, dtype=torch.float64, device=first.device)
-    payload[:num_channels] = first
-    payload[num_channels : 2 * num_channels] = second
+def pack(sums: tuple[Tensor, Tensor], count: int, tag: CallTag, failed: bool) -> Tensor:
+    """The float64 payload of one sync call from its two per-channel sums (see the module docstring)."""
     ident = (tag.layer_id, tag.direction, tag.call % _CALL_MODULUS)
     tail = (float(count), float(failed), *ident, *(v * v for v in ident))
-    payload[2 * num_channels :] = torch.tensor(tail, dtype=torch.float64)
-    return payload
+    return torch.cat([*sums, torch.tensor(tail, dtype=torch.float64, device=sums[0].device)])
 
 
 def forward_payload(
@@ -113,15 +116,13 @@ def forward_payload(
     """Payload of moment sums for ``input`` and its local moments; ``None`` marks a rejected input."""
     if input is None:
         zeros = torch.zeros(num_channels, dtype=torch.float64, device=device)
-        return pack(zeros, zeros, 0, tag, failed=True), None
+        return pack((zeros, zeros), 0, tag, failed=True), None
     local = local_moments(input)
-    mean64 = local.mean.double()
-    sum_second = local.m2.double() + mean64.square() * local.count
-    return pack(mean64 * local.count, sum_second, local.count, tag, failed=False), local
+    return pack(local.sums, input.numel() // max(num_channels, 1), tag, failed=False), local
 
 
-def unpack(payload: Tensor, world_size: int, tag: CallTag, problem: str | None) -> tuple[int, Tensor, Tensor]:
-    """Check a reduced payload and split it into (global count, first sums, second sums).
+def unpack(payload: Tensor, world_size: int, tag: CallTag, problem: str | None) -> tuple[int, Tensor]:
+    """Check a reduced payload and split it into the global count and the (2, C) reduced sums.
 
     Raises the same error on every rank: :class:`SyncMismatchError` when ranks sent different call tags,
     ``ValueError`` on a rank whose own input was rejected and :class:`SyncError` on the others.
@@ -144,11 +145,14 @@ def unpack(payload: Tensor, world_size: int, tag: CallTag, problem: str | None) 
         if problem is not None:
             raise ValueError(problem)
         raise SyncError(f"{int(failed)} other rank(s) rejected their input at {tag.describe()}")
-    return int(count), payload[:num_channels], payload[num_channels : 2 * num_channels]
+    return int(count), payload[: 2 * num_channels].view(2, num_channels)
 
 
-def merge_moments(count: int, sum_first: Tensor, sum_second: Tensor) -> tuple[Tensor, Tensor]:
-    """Global mean and centred sum of squares (float64) from reduced forward sums."""
-    mean = sum_first / count
-    m2 = (sum_second - mean * sum_first).clamp_min_(0.0)
-    return mean, m2
+def merge_moments(count: int, sums: Tensor) -> tuple[Tensor, Tensor]:
+    """Global mean and biased variance (float64) from the reduced ``sum(x)`` and ``sum(x^2)``.
+
+    The sums are exact to float64 rounding (see :class:`LocalMoments`), so ``E[x^2] - E[x]^2`` loses
+    only ``log10(mean^2 / var)`` of float64's 16 digits: 8 for a mean 1e4 times the standard deviation.
+    """
+    mean, mean_sq = (sums / count).unbind()
+    return mean, torch.addcmul(mean_sq, mean, mean, value=-1).clamp_min_(0.0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -16,6 +18,18 @@ __all__ = ["DistSyncBatchNorm", "DistSyncBatchNorm1d", "DistSyncBatchNorm2d", "D
 
 # Construction order numbers layers; every rank builds the same model in the same order, so ids agree.
 _layer_ids = itertools.count()
+
+
+@functools.cache
+def _warn_unwired_replica() -> None:
+    warnings.warn(
+        "DistSyncBatchNorm was replicated by nn.DataParallel without the replication callback, so it cannot "
+        "sync across devices and uses each replica's own batch statistics. Wrap the model in "
+        "distsync.parallel.ReplicationCallbackDataParallel (or call patch_replication_callback on your "
+        "DataParallel), or better, move to torchrun + DistributedDataParallel.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 class DistSyncBatchNorm(_BatchNorm):
@@ -87,10 +101,30 @@ class DistSyncBatchNorm(_BatchNorm):
             )
         return None
 
+    # DataParallel copies other than copy 0 hold copies of the buffers: only copy 0 updates running stats.
+    _updates_running_stats = True
+
+    def __data_parallel_replicate__(self, ctx, copy_id: int) -> None:
+        """Sync this copy with the other ``nn.DataParallel`` copies of the layer (replication callback).
+
+        Called on every copy, copy 0 first, by :class:`distsync.parallel.ReplicationCallbackDataParallel`.
+        Each copy gets its own call counter and a reducer over the copies in this process, then over the
+        ranks of ``process_group`` if one is initialized. Only copy 0, whose buffers are the module's own,
+        updates the running statistics.
+        """
+        from .parallel.transport import replica_reducer  # lazy: distsync.parallel imports this module
+
+        self._sync_counter = self._sync_counter.fresh_copy()
+        self._replica_reducer = replica_reducer(ctx, copy_id, self.process_group)
+        self._updates_running_stats = copy_id == 0
+
     def _reducer(self) -> Reducer | None:
         """Who this layer syncs with right now, or None to behave like plain BatchNorm."""
         if self._replica_reducer is not None:
             return self._replica_reducer
+        if getattr(self, "_is_replica", False):  # copied by nn.DataParallel but not wired by the callback
+            _warn_unwired_replica()
+            return None
         return process_group_reducer(self.process_group)
 
     def forward(self, input: Tensor) -> Tensor:
@@ -102,7 +136,7 @@ class DistSyncBatchNorm(_BatchNorm):
 
     @torch.compiler.disable
     def _sync_forward(self, input: Tensor, reducer: Reducer) -> Tensor:
-        update_running = self.training and self.track_running_stats
+        update_running = self.training and self.track_running_stats and self._updates_running_stats
         return SyncBatchNormFunction.apply(
             input,
             self.weight,

@@ -30,10 +30,6 @@ class SyncCounter:
         return copy
 
 
-def _per_channel(values: Tensor, ndim: int) -> Tensor:
-    return values.view(1, -1, *([1] * (ndim - 2)))
-
-
 def _update_running_stats(
     running_mean: Tensor,
     running_var: Tensor,
@@ -45,19 +41,19 @@ def _update_running_stats(
     if num_batches_tracked is not None:
         num_batches_tracked.add_(1)
     if momentum is None:  # cumulative moving average
-        factor = (1.0 / num_batches_tracked).to(running_mean.dtype)
+        factor = num_batches_tracked.double().reciprocal().to(running_mean.dtype)
     else:
         factor = momentum
-    running_mean.lerp_(mean.to(running_mean.dtype), factor)
-    running_var.lerp_(unbiased_var.to(running_var.dtype), factor)
+    new = torch.stack([mean, unbiased_var]).to(running_mean.dtype)
+    torch._foreach_lerp_([running_mean, running_var], list(new.unbind()), factor)
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
     """Batch norm whose statistics are those of the union of all participants' batches.
 
-    Forward reduces per-channel count, ``n * mean`` and ``M2 + n * mean^2`` (float64); backward reduces
-    ``sum(dy)`` and ``sum(dy * x_hat)``. Weight and bias gradients stay local, like ``nn.SyncBatchNorm``:
-    DistributedDataParallel averages them.
+    Forward reduces per-channel count, ``sum(x)`` and ``sum(x^2)`` (float64, from shifted inputs so
+    nothing cancels); backward reduces ``sum(dy)`` and ``sum(dy * x_hat)``. Weight and bias gradients
+    stay local, like ``nn.SyncBatchNorm``: DistributedDataParallel averages them.
     """
 
     @staticmethod
@@ -79,24 +75,24 @@ class SyncBatchNormFunction(torch.autograd.Function):
         tag = counter.next_tag(FORWARD)
         payload, local = _moments.forward_payload(None if problem else input, num_features, input.device, tag)
         reducer.all_reduce(payload)
-        count, sum_first, sum_second = _moments.unpack(payload, reducer.world_size, tag, problem)
+        count, sums = _moments.unpack(payload, reducer.world_size, tag, problem)
         if count <= 1:
             raise ValueError(
                 f"Expected more than 1 value per channel when training, got {count} over all ranks "
                 f"(input size on this rank {list(input.shape)}) at {tag.describe()}"
             )
-        mean64, m2 = _moments.merge_moments(count, sum_first, sum_second)
+        mean, var = _moments.merge_moments(count, sums)
         if running_mean is not None and running_var is not None:
             _update_running_stats(
-                running_mean, running_var, num_batches_tracked, momentum, mean64, m2 / (count - 1)
+                running_mean, running_var, num_batches_tracked, momentum, mean, var * (count / (count - 1))
             )
-        stat_dtype = _moments.stat_dtype(input.dtype)
-        shifted_mean = (mean64 - local.shift.double()).to(stat_dtype)
-        var = (m2 / count).to(stat_dtype)
+        # Normalize the shifted input with the mean shifted alike; ``scale`` = weight / std for backward.
+        stats = torch.stack([mean - local.shift, var, (var + eps).rsqrt_()]).to(_moments.stat_dtype(input.dtype))
+        shifted_mean, var, invstd = stats.unbind()
         output = torch.batch_norm(
             local.shifted, weight, bias, shifted_mean, var, False, 0.0, eps, torch.backends.cudnn.enabled
         )
-        ctx.save_for_backward(local.shifted, weight, shifted_mean, var)
+        ctx.save_for_backward(local.shifted, weight, shifted_mean, var, invstd if weight is None else invstd * weight)
         ctx.eps = eps
         ctx.count = count
         ctx.reducer = reducer
@@ -106,10 +102,10 @@ class SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: Tensor):
         # ``input`` is the forward input shifted per channel, ``mean`` the global mean shifted alike.
-        input, weight, mean, var = ctx.saved_tensors
+        input, weight, mean, var, scale = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         if input.numel():
-            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward.default(
                 grad_output, input, weight, mean, var, None, None, False, ctx.eps, [False, True, True]
             )
         else:
@@ -117,27 +113,21 @@ class SyncBatchNormFunction(torch.autograd.Function):
             sum_dy = torch.zeros_like(mean)
         grad_input = None
         if need_input:
-            grad_input = _sync_grad_input(ctx, grad_output, input, weight, mean, var, sum_dy, sum_dy_xhat)
+            grad_input = _sync_grad_input(ctx, grad_output, input, mean, var, scale, sum_dy, sum_dy_xhat)
         grad_weight = sum_dy_xhat.to(weight.dtype) if need_weight else None
         grad_bias = sum_dy.to(weight.dtype) if need_bias else None
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
 
 
-def _sync_grad_input(ctx, grad_output, input, weight, mean, var, sum_dy, sum_dy_xhat) -> Tensor:
-    """dx = w * invstd * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all participants."""
+def _sync_grad_input(ctx, grad_output, input, mean, var, scale, sum_dy, sum_dy_xhat) -> Tensor:
+    """dx = scale * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all participants."""
     tag = ctx.counter.next_tag(BACKWARD)
-    payload = _moments.pack(sum_dy.double(), sum_dy_xhat.double(), 0, tag, failed=False)
+    payload = _moments.pack(torch.stack([sum_dy, sum_dy_xhat]).double().unbind(), 0, tag, failed=False)
     ctx.reducer.all_reduce(payload)
-    _, global_dy, global_dy_xhat = _moments.unpack(payload, ctx.reducer.world_size, tag, None)
+    _, sums = _moments.unpack(payload, ctx.reducer.world_size, tag, None)
     if not input.numel():
         return torch.empty_like(input)
-    scale = torch.rsqrt(var + ctx.eps)
-    if weight is not None:
-        scale = scale * weight
-    mean_dy = (global_dy / ctx.count).to(scale.dtype)
-    mean_dy_xhat = (global_dy_xhat / ctx.count).to(scale.dtype)
     # The x_hat-dependent part and the constant in one fused eval-mode batch-norm pass, then + scale * dy.
-    grad_input = torch.batch_norm(
-        input, -scale * mean_dy_xhat, -scale * mean_dy, mean, var, False, 0.0, ctx.eps, False
-    )
-    return grad_input.addcmul_(grad_output, _per_channel(scale, input.dim()))
+    shift, slope = ((sums / -ctx.count).to(scale.dtype) * scale).unbind()
+    grad_input = torch.batch_norm(input, slope, shift, mean, var, False, 0.0, ctx.eps, False)
+    return grad_input.addcmul_(grad_output, scale.view(1, -1, *([1] * (input.dim() - 2))))

@@ -60,11 +60,12 @@ class FutureResult:
                 self._error = error
             self._cond.notify_all()
 
-    def accept(self) -> None:
-        """The master has taken the message of the current round."""
+    def accept(self) -> BaseException | None:
+        """The master has taken the message of the current round; returns the error if the slave gave up."""
         with self._cond:
             self._accepted = True
             self._cond.notify_all()
+            return self._error
 
     def get(self) -> Any:
         with self._cond:
@@ -214,7 +215,10 @@ class SyncMaster:
             error = SyncError(f"unexpected message from slave {identifier!r} in this round")
             self._fail(error)
             raise error
-        self._registry[identifier].accept()
+        gave_up = self._registry[identifier].accept()
+        if gave_up is not None:  # the slave timed out waiting for this master: the round is lost
+            self._fail(gave_up)
+            raise SyncError(f"replica synchronization failed: {gave_up}") from gave_up
         intermediates.append((identifier, msg))
 
     def abort(self, error: BaseException) -> None:

@@ -70,8 +70,7 @@ class DataParallelCriterion(nn.DataParallel):
             return self.module(inputs, *targets[0], **kwargs[0])
         count = min(len(inputs), len(targets))
         replicas = self.replicate(self.module, self.device_ids[:count])
-        per_device = [(*_as_tuple(output), *target) for output, target in zip(inputs, targets)]
+        per_device = [(*_as_tuple(output), *target) for output, target in zip(inputs, targets, strict=False)]
         losses = parallel_apply(replicas, per_device[:count], kwargs[:count], self.device_ids[:count])
         device = torch.device(self.src_device_obj.type, self.output_device)
         return sum(loss.to(device) for loss in losses) / len(losses)
-

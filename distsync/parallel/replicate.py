@@ -44,7 +44,7 @@ def exec_data_parallel_replication_callback(modules: Sequence[nn.Module]) -> lis
         return []
     contexts = [CallbackContext() for _ in modules[0].modules()]
     for copy_id, module in enumerate(modules):
-        for ctx, sub_module in zip(contexts, module.modules()):
+        for ctx, sub_module in zip(contexts, module.modules(), strict=True):
             if hasattr(sub_module, "__data_parallel_replicate__"):
                 sub_module.__data_parallel_replicate__(ctx, copy_id)
     return contexts

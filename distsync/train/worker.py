@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import random
@@ -30,6 +31,8 @@ from .metrics import MetricsLog, plot_curves, write_json_atomic
 from .model import all_norms_synced, batch_norms, build_model
 
 __all__ = ["run"]
+
+_DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters  # broadcast_buffers renamed in 2.13
 
 KILL_AT_STEP_ENV = "DISTSYNC_TEST_KILL_AT_STEP"
 """Test hook: the rank in ``DISTSYNC_TEST_KILL_RANK`` (default 1) SIGKILLs itself after this step, on the
@@ -89,11 +92,11 @@ class _Trainer:
     def _wrap_ddp(self) -> torch.nn.Module:
         if not is_distributed():
             return self.model
-        synced = all_norms_synced(self.model)
+        # Synchronized BN keeps the running statistics equal on every rank: no buffer broadcast per forward.
+        sync_buffers = not all_norms_synced(self.model)
+        key = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
         ddp = DistributedDataParallel(
-            self.model,
-            device_ids=[self.device] if self.device.type == "cuda" else None,
-            broadcast_buffers=not synced,  # synchronized BN keeps the buffers equal already
+            self.model, device_ids=[self.device] if self.device.type == "cuda" else None, **{key: sync_buffers}
         )
         self.comm.register_hook(ddp, self.step)
         return ddp

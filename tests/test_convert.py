@@ -1,0 +1,88 @@
+"""convert_sync_batchnorm / revert_sync_batchnorm keep parameters, buffers and state_dict compatibility."""
+
+import torch
+from torch import nn
+
+import distsync
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv1d(3, 4, 1),
+        nn.BatchNorm1d(4),
+        nn.Sequential(nn.Conv2d(4, 6, 1), nn.BatchNorm2d(6, momentum=None)),
+        nn.BatchNorm3d(2, affine=False),
+        nn.SyncBatchNorm(5, eps=1e-3, track_running_stats=False),
+    )
+
+
+def test_convert_keeps_objects_flags_and_names():
+    model = _model()
+    model[1].weight.requires_grad_(False)
+    model[2][1].eval()
+    weight, running_mean = model[1].weight, model[1].running_mean
+    converted = distsync.convert_sync_batchnorm(model)
+    assert converted is model
+    assert type(model[1]) is distsync.DistSyncBatchNorm1d
+    assert type(model[2][1]) is distsync.DistSyncBatchNorm2d
+    assert type(model[3]) is distsync.DistSyncBatchNorm3d
+    assert type(model[4]) is distsync.DistSyncBatchNorm
+    assert model[1].weight is weight and model[1].running_mean is running_mean
+    assert not model[1].weight.requires_grad
+    assert not model[2][1].training and model[1].training
+    assert model[2][1].momentum is None and model[4].eps == 1e-3 and model[4].running_mean is None
+    assert model[3].weight is None
+    assert "'2.1'" in model[2][1]._sync_counter.layer_name
+
+
+def test_convert_keeps_dtype_and_process_group_argument():
+    layer = nn.BatchNorm2d(3).double()
+    converted = distsync.convert_sync_batchnorm(layer, process_group="group-sentinel")
+    assert converted.weight.dtype == torch.float64 and converted.running_var.dtype == torch.float64
+    assert converted.process_group == "group-sentinel"
+
+
+def test_layer_ids_follow_module_order():
+    ids = [m._sync_counter.layer_id for m in distsync.convert_sync_batchnorm(_model()).modules()
+           if isinstance(m, distsync.DistSyncBatchNorm)]
+    assert ids == sorted(ids) and len(set(ids)) == 4
+
+
+def test_state_dict_loads_both_ways():
+    plain = _model()
+    synced = distsync.convert_sync_batchnorm(_model())
+    assert list(plain.state_dict()) == list(synced.state_dict())
+    for param in plain.parameters():
+        param.data.uniform_()
+    synced.load_state_dict(plain.state_dict())
+    plain.load_state_dict(synced.state_dict())
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, synced.state_dict()[key])
+
+
+def test_revert_round_trip_gives_plain_batchnorm_with_same_outputs():
+    model = _model()
+    reference = [type(m) for m in model.modules()]
+    synced = distsync.convert_sync_batchnorm(model)
+    reverted = distsync.revert_sync_batchnorm(synced)
+    types = [type(m) for m in reverted.modules()]
+    assert types[:-1] == reference[:-1]
+    assert types[-1] is distsync.BatchNormNd  # from nn.SyncBatchNorm: rank-agnostic local twin
+    x = torch.randn(6, 4, 3)
+    torch.manual_seed(1)
+    bn = nn.BatchNorm1d(4)
+    round_trip = distsync.revert_sync_batchnorm(distsync.convert_sync_batchnorm(nn.BatchNorm1d(4)))
+    round_trip.load_state_dict(bn.state_dict())
+    assert torch.equal(bn(x), round_trip(x))
+    assert torch.equal(bn.running_mean, round_trip.running_mean)
+
+
+def test_optimizer_built_before_conversion_still_trains_the_layer():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    distsync.convert_sync_batchnorm(model)
+    before = model[1].weight.detach().clone()
+    model(torch.randn(5, 3)).square().sum().backward()
+    optimizer.step()
+    assert not torch.equal(before, model[1].weight)

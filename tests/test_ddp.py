@@ -1,0 +1,85 @@
+"""A DDP training step with DistSyncBatchNorm equals single-process training on the full batch."""
+
+import os
+import subprocess
+import sys
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import distsync
+from distsync.testing import free_port, run_world
+
+PER_RANK = 4
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 6, 3, padding=1),
+        nn.BatchNorm2d(6, momentum=None),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, 3),
+    ).double()
+
+
+def _batches(world_size, steps):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(world_size * PER_RANK, 3, 6, 6, generator=gen, dtype=torch.float64) * 2 + 1
+        yield x, torch.randint(0, 3, (world_size * PER_RANK,), generator=gen)
+
+
+def _train(model, batches, rank=0, per_rank=None):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for x, y in batches:
+        if per_rank is not None:
+            x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    module = getattr(model, "module", model)
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _ddp_worker(rank, world_size, steps):
+    model = DistributedDataParallel(distsync.convert_sync_batchnorm(_net()), broadcast_buffers=False)
+    return _train(model, _batches(world_size, steps), rank, PER_RANK)
+
+
+def test_ddp_step_equals_single_process_full_batch():
+    steps = 3
+    expected = _train(_net(), _batches(2, steps))
+    for state in run_world(_ddp_worker, 2, steps):
+        for key, value in expected.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-9, atol=1e-10, msg=key)
+
+
+def test_init_distributed_under_torchrun_environment():
+    """init_distributed reads torchrun's variables, picks gloo on CPU, and is a no-op the second time."""
+    script = (
+        "import torch.distributed as dist, distsync\n"
+        "device = distsync.init_distributed()\n"
+        "assert distsync.init_distributed() == device\n"
+        "print(device, dist.get_backend(), dist.get_world_size())\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["cpu", "gloo", "1"]
+
+
+def test_init_distributed_without_torchrun_is_single_process():
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    script = "import torch.distributed as dist, distsync; distsync.init_distributed(); print(dist.is_initialized())"
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
