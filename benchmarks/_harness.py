@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 @dataclass(frozen=True)
 class Budget:
-    """How long to measure: ``reps`` interleaved repetitions of ``inner`` calls each, after ``warmup`` calls."""
+    """How long to measure: ``reps`` interleaved repetitions of ``inner`` calls, after ``warmup`` calls."""
 
     reps: int
     inner: int
@@ -52,7 +52,9 @@ def run_world(fn: Callable, *args, world_size: int = 2):
 
 def device() -> torch.device:
     """This rank's device: its CUDA device when there is one (ranks may share it), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _sync_device() -> None:
@@ -91,6 +93,11 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def ratio_quartiles(numerator: list[float], denominator: list[float]) -> list[float]:
+    """25th, 50th and 75th percentiles of the per-repetition ratios."""
+    return statistics.quantiles((a / b for a, b in zip(numerator, denominator, strict=True)), n=4)
+
+
 def median_ratio(numerator: list[float], denominator: list[float]) -> float:
     """Median over repetitions of the ratio of two variants timed side by side in that repetition."""
-    return statistics.median(a / b for a, b in zip(numerator, denominator))
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))

@@ -1,4 +1,4 @@
-"""One batch-norm layer, forward + backward: distsync vs. native BN vs. the floor (native BN + 2 all-reduces)."""
+"""One BN layer, forward + backward: distsync vs. native BN vs. the floor (native BN + 2 all-reduces)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,22 @@ from torch.profiler import ProfilerActivity, profile
 from distsync import DistSyncBatchNorm2d
 
 Shape = tuple[int, int, int, int]
+OVERHEAD_SHAPE: Shape = (2, 8, 2, 2)
+
+
+class _NoCommReducer:
+    """A reducer for one participant: distsync's own compute, without any communication."""
+
+    world_size = 1
+
+    def all_reduce(self, payload: torch.Tensor) -> torch.Tensor:
+        return payload
+
+
+def _no_comm_layer(channels: int, dev: torch.device) -> nn.Module:
+    layer = DistSyncBatchNorm2d(channels).to(dev)
+    layer._replica_reducer = _NoCommReducer()  # the transport hook the replica path uses
+    return layer
 
 
 def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, between: Callable | None = None):
@@ -34,7 +50,7 @@ def torch_syncbn_status() -> str | None:
     try:
         layer(torch.randn(2, 4, 2, 2, device=device())).sum().backward()
     except (ValueError, RuntimeError) as error:
-        return f"n/a: refuses {device().type.upper()} ({str(error).splitlines()[0][:60]})"
+        return f"n/a: refuses {device().type.upper()}: {str(error).splitlines()[0]}"
     return None
 
 
@@ -58,6 +74,7 @@ def layer_variants(shape: Shape, with_torch_syncbn: bool = False) -> dict[str, C
         "sync": _fwd_bwd(DistSyncBatchNorm2d(channels).to(dev), x, grad),
         "floor": _fwd_bwd(local, x, grad, between=all_reduce),
         "local": _fwd_bwd(local, x, grad),
+        "sync_nocomm": _fwd_bwd(_no_comm_layer(channels, dev), x, grad),
         "allreduce_x2": all_reduce_x2,
     }
     if with_torch_syncbn:
@@ -72,6 +89,7 @@ def bench_shape(shape: Shape, budget: Budget, with_torch_syncbn: bool) -> dict:
     result["ratio_to_floor"] = {
         name: median_ratio(t, times["floor"]) for name, t in times.items() if name in ("sync", "torch_syncbn")
     }
+    result["nocomm_ratio_to_local"] = median_ratio(times["sync_nocomm"], times["local"])
     result["times_s"] = times
     return result
 
@@ -83,6 +101,7 @@ def bench_layers(
     status = torch_syncbn_status()
     return {
         "torch_syncbn": status,
+        "overhead": bench_shape(OVERHEAD_SHAPE, budget, status is None),
         "shapes": [bench_shape(shape, budget, status is None) for shape in shapes],
         "sweeps": {
             axis: [bench_shape(shape, sweep_budget, status is None) for shape in sweep]
@@ -91,9 +110,13 @@ def bench_layers(
     }
 
 
-def profile_layer(shape: Shape, calls: int = 200, top: int = 14) -> str:
-    """Profiler table (self CPU time) of ``calls`` forward+backward passes of the distsync layer."""
-    run = layer_variants(shape)["sync"]
+def profile_layer(shape: Shape, calls: int = 200, top: int = 16) -> str:
+    """Profiler table (self CPU time) of ``calls`` fwd+bwd of the distsync layer without communication.
+
+    Without communication, so that waiting for the other rank (counted as the autograd Function's self
+    time) does not hide the ops distsync adds on top of native batch norm.
+    """
+    run = layer_variants(shape)["sync_nocomm"]
     for _ in range(10):
         run()
     dist.barrier()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _harness import Budget, device, median, median_ratio, time_interleaved
+from _harness import Budget, device, median, median_ratio, ratio_quartiles, time_interleaved
 from torch import nn
 from torch._C._profiler import _EventType
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -17,6 +18,12 @@ from torch.profiler import ProfilerActivity, profile
 import distsync
 
 BLOCKS, CHANNELS, SIZE, BATCH, CLASSES = 7, 32, 32, 16, 10
+# broadcast_buffers=False, spelled the way this torch version accepts without a deprecation warning.
+_NO_BUFFER_BROADCAST = (
+    {"forward_sync_buffers": False}
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    else {"broadcast_buffers": False}
+)
 
 
 def conv_net() -> nn.Sequential:
@@ -32,17 +39,36 @@ def conv_net() -> nn.Sequential:
     return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(CHANNELS, CLASSES))
 
 
+def _add_bn_collectives(net: nn.Module) -> None:
+    """Give every local BN the two all-reduces a synced one needs (one in forward, one in backward)."""
+    payload = torch.zeros(2 * CHANNELS + 8, dtype=torch.float64, device=device())
+
+    def all_reduce(*_) -> None:
+        dist.all_reduce(payload)
+
+    def after_forward(module, inputs, output) -> None:
+        all_reduce()
+        if output.requires_grad:
+            output.register_hook(all_reduce)
+
+    for module in net.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.register_forward_hook(after_forward)
+
+
 def _trainer(kind: str) -> Callable[[], None]:
     """One training step (zero_grad, forward, loss, backward, SGD step) of the net with ``kind`` of BN."""
     dev = device()
     net = conv_net()
-    broadcast_buffers = kind == "local"
     if kind in ("sync", "sync_group"):
         group = dist.new_group(backend="gloo") if kind == "sync_group" else None
         net = distsync.convert_sync_batchnorm(net, process_group=group)
     elif kind == "torch_syncbn":
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
-    model = DDP(net.to(dev), broadcast_buffers=broadcast_buffers)
+    elif kind == "floor":
+        _add_bn_collectives(net)
+    ddp_options = {} if kind == "local" else _NO_BUFFER_BROADCAST
+    model = DDP(net.to(dev), **ddp_options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     generator = torch.Generator().manual_seed(1 + dist.get_rank())
     x = torch.randn(BATCH, 3, SIZE, SIZE, generator=generator).to(dev)
@@ -122,7 +148,8 @@ def _count_collectives(step: Callable[[], None]) -> dict:
 
 def bench_model(budget: Budget, with_torch_syncbn: bool) -> dict:
     """Step times of every variant side by side, then memory and collectives of one step."""
-    kinds = ["local", "local_nobcast", "sync", "sync_group"] + (["torch_syncbn"] if with_torch_syncbn else [])
+    kinds = ["local", "local_nobcast", "floor", "sync", "sync_group"]
+    kinds += ["torch_syncbn"] if with_torch_syncbn else []
     steps = {kind: _trainer(kind) for kind in kinds}
     times = time_interleaved(steps, budget)
     memory = {}
@@ -132,8 +159,11 @@ def bench_model(budget: Budget, with_torch_syncbn: bool) -> dict:
         memory[kind] = {"peak_bytes": int(peak[0]), "saved_bytes": int(peak[1])}
     return {
         "median_s": {kind: median(t) for kind, t in times.items()},
-        "ratio_to_local": {kind: median_ratio(t, times["local"]) for kind, t in times.items()},
-        "ratio_to_local_nobcast": {kind: median_ratio(t, times["local_nobcast"]) for kind, t in times.items()},
+        **{
+            f"ratio_to_{base}": {kind: median_ratio(t, times[base]) for kind, t in times.items()}
+            for base in ("local", "local_nobcast", "floor")
+        },
+        "group_vs_default_quartiles": ratio_quartiles(times["sync_group"], times["sync"]),
         "memory": memory,
         "collectives": _count_collectives(steps["sync"]),
         "times_s": times,

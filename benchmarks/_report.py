@@ -9,6 +9,7 @@ LAYER_TARGET, LAYER_GOAL = 1.5, 1.15
 MODEL_TARGET, MODEL_GOAL = 1.25, 1.10
 MEMORY_TARGET = 1.1
 _AXIS_DIM = {"channels": 1, "batch": 0}
+_STYLES = (("sync", "o-"), ("floor", "s--"), ("local", "^:"), ("allreduce_x2", "x:"), ("torch_syncbn", "d-."))
 
 
 def _us(seconds: float) -> str:
@@ -21,12 +22,17 @@ def _verdict(value: float, target: float, goal: float | None = None) -> str:
     return "target met" if value <= target else "MISSED"
 
 
+def _short(status: str | None) -> str | None:
+    """'n/a: refuses CPU' from 'n/a: refuses CPU: <the error>' (the full text stays in the JSON)."""
+    return status and ":".join(status.split(":")[:2])
+
+
 def _layer_table(layers: dict) -> list[str]:
-    torch_syncbn = layers["torch_syncbn"]
+    torch_syncbn = _short(layers["torch_syncbn"])
     lines = [
-        "| shape (N,C,H,W) | distsync us | floor us | local BN us | 2x all_reduce us | nn.SyncBatchNorm "
-        f"| distsync/floor (target <={LAYER_TARGET}, goal {LAYER_GOAL}) |",
-        "|---|---:|---:|---:|---:|---:|---|",
+        "| shape (N,C,H,W) | distsync us | floor us | local BN us | 2x all_reduce us | distsync no-comm us "
+        f"| nn.SyncBatchNorm | distsync/floor (target <={LAYER_TARGET}, goal {LAYER_GOAL}) |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for entry in layers["shapes"]:
         med, ratio = entry["median_s"], entry["ratio_to_floor"]
@@ -37,9 +43,18 @@ def _layer_table(layers: dict) -> list[str]:
         )
         lines.append(
             f"| {tuple(entry['shape'])} | {_us(med['sync'])} | {_us(med['floor'])} | {_us(med['local'])} "
-            f"| {_us(med['allreduce_x2'])} | {peer} | **{ratio['sync']:.2f}** "
+            f"| {_us(med['allreduce_x2'])} | {_us(med['sync_nocomm'])} "
+            f"({entry['nocomm_ratio_to_local']:.2f}x local) | {peer} | **{ratio['sync']:.2f}** "
             f"{_verdict(ratio['sync'], LAYER_TARGET, LAYER_GOAL)} |"
         )
+    tiny = layers["overhead"]
+    extra = tiny["median_s"]["sync_nocomm"] - tiny["median_s"]["local"]
+    lines += [
+        "",
+        f"Fixed cost per call: at {tuple(tiny['shape'])} distsync without communication takes "
+        f"{_us(tiny['median_s']['sync_nocomm'])} us per fwd+bwd vs {_us(tiny['median_s']['local'])} us for "
+        f"nn.BatchNorm2d: {_us(extra)} us of Python/small-op overhead per layer per step.",
+    ]
     return lines
 
 
@@ -48,15 +63,19 @@ def _model_table(model: dict, torch_syncbn: str | None) -> list[str]:
     mem, coll = model["memory"], model["collectives"]
     peak = mem["sync"]["peak_bytes"] / mem["local"]["peak_bytes"]
     saved = mem["sync"]["saved_bytes"] / mem["local"]["saved_bytes"]
-    group = ratio["sync_group"] / ratio["sync"]
-    peer = torch_syncbn or f"{med['torch_syncbn'] * 1e3:.2f} ms ({ratio['torch_syncbn']:.2f}x local)"
+    low, group, high = model["group_vs_default_quartiles"]
+    group_verdict = "helps" if high < 1 else "hurts" if low > 1 else "no measurable difference"
+    peer = _short(torch_syncbn) or f"{med['torch_syncbn'] * 1e3:.2f} ms ({ratio['torch_syncbn']:.2f}x local)"
     mib = 2**20
     return [
         "| figure | measured | target | status |",
         "|---|---|---|---|",
         f"| DDP step, local BN (broadcast_buffers=True) | {med['local'] * 1e3:.2f} ms | | |",
         f"| DDP step, local BN (broadcast_buffers=False) | {med['local_nobcast'] * 1e3:.2f} ms | | |",
-        f"| DDP step, distsync (broadcast_buffers=False) | {med['sync'] * 1e3:.2f} ms | | |",
+        f"| DDP step, floor: local BN + 2 all_reduces per BN (hooks), no bcast | {med['floor'] * 1e3:.2f} ms "
+        f"({ratio['floor']:.3f}x local) | | the best a synced BN can do here |",
+        f"| DDP step, distsync (broadcast_buffers=False) | {med['sync'] * 1e3:.2f} ms "
+        f"({model['ratio_to_floor']['sync']:.3f}x the model floor) | | |",
         f"| model ratio distsync / local BN | **{ratio['sync']:.3f}** (vs no-bcast local: "
         f"{strict['sync']:.3f}) | <={MODEL_TARGET}, goal {MODEL_GOAL} "
         f"| {_verdict(ratio['sync'], MODEL_TARGET, MODEL_GOAL)} |",
@@ -72,7 +91,7 @@ def _model_table(model: dict, torch_syncbn: str | None) -> list[str]:
         f"| BN payload bytes per all_reduce | {', '.join(map(str, coll['payload_bytes']))} "
         f"(= (2C+8) x 8, C={32}) | O(C) | ok |",
         f"| BN on a dedicated group: step {med['sync_group'] * 1e3:.2f} ms | {group:.3f}x the default group "
-        f"| keep only if < 1 | {'helps' if group < 0.97 else 'no measurable gain'} |",
+        f"(quartiles {low:.3f}-{high:.3f}) | keep only if < 1 | {group_verdict} |",
         f"| nn.SyncBatchNorm DDP step | {peer} | | |",
     ]
 
@@ -83,7 +102,8 @@ def table(results: dict) -> str:
     lines = [
         f"distsync benchmark: {meta['world_size']} gloo ranks x 1 thread on {meta['device']}, torch "
         f"{meta['torch']}; medians of {meta['reps']} interleaved repetitions, slowest rank per repetition"
-        f"{' (--quick)' if meta['quick'] else ''}",
+        f"{' (--quick)' if meta['quick'] else ''}; machine load (1-min average) before/after: "
+        f"{meta['load_avg_1m'][0]} / {meta['load_avg_1m'][1]}",
         "",
         "Layer: one BN forward+backward; floor = native nn.BatchNorm2d fwd+bwd + 2 all_reduces of (2C+8) f64",
         *_layer_table(results["layers"]),
@@ -110,13 +130,15 @@ def _plot(sweeps: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(sweeps), figsize=(6 * len(sweeps), 4.2), squeeze=False)
-    for ax, (axis, entries) in zip(axes[0], sweeps.items()):
+    for ax, (axis, entries) in zip(axes[0], sweeps.items(), strict=True):
         xs = [entry["shape"][_AXIS_DIM[axis]] for entry in entries]
-        for name, style in (("sync", "o-"), ("floor", "s--"), ("local", "^:"), ("torch_syncbn", "d-.")):
+        for name, style in _STYLES:
             if name in entries[0]["median_s"]:
                 ax.plot(xs, [entry["median_s"][name] * 1e6 for entry in entries], style, label=name)
         fixed = [d for i, d in enumerate(entries[0]["shape"]) if i != _AXIS_DIM[axis]]
         ax.set(xscale="log", yscale="log", xlabel=axis, ylabel="fwd+bwd time per layer (us)")
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.set_title(f"BN layer vs {axis} (other dims {fixed})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()

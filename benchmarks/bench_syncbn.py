@@ -8,6 +8,7 @@ Spawns its own gloo world (2 ranks x 1 thread), prints Markdown tables, writes r
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -68,9 +69,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="JSON+PNG folder")
     parser.add_argument("--profile", action="store_true", help="also print profiler tables of the sync layer")
     args = parser.parse_args()
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     results = run_world(suite, Plan(quick=args.quick, profile=args.profile))
     results["meta"]["wall_s"] = round(time.perf_counter() - started, 1)
+    results["meta"]["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     print(table(results))
     for shape, text in results.get("profiles", {}).items():
         print(f"\nProfile of 200 distsync fwd+bwd calls, rank 0, shape {shape}:\n{text}")

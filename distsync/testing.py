@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
@@ -34,7 +35,10 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # Serialized here: tensors put on a queue as-is are shared through this process, which exits soon.
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:  # report everything, the parent decides
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -82,4 +86,4 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     if failures:
         report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
         raise WorkerFailed(f"{len(failures)} rank(s) failed:\n{report}")
-    return [outcome[rank][1] for rank in range(world_size)]
+    return [torch.load(io.BytesIO(outcome[rank][1]), weights_only=False) for rank in range(world_size)]
