@@ -44,8 +44,8 @@ def _update_running_stats(
         factor = num_batches_tracked.double().reciprocal().to(running_mean.dtype)
     else:
         factor = momentum
-    new = torch.stack([mean, unbiased_var]).to(running_mean.dtype)
-    torch._foreach_lerp_([running_mean, running_var], list(new.unbind()), factor)
+    dtype = running_mean.dtype
+    torch._foreach_lerp_([running_mean, running_var], [mean.to(dtype), unbiased_var.to(dtype)], factor)
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
@@ -82,17 +82,22 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 f"(input size on this rank {list(input.shape)}) at {tag.describe()}"
             )
         mean, var = _moments.merge_moments(count, sums)
-        if running_mean is not None and running_var is not None:
-            _update_running_stats(
-                running_mean, running_var, num_batches_tracked, momentum, mean, var * (count / (count - 1))
-            )
-        # Normalize the shifted input with the mean shifted alike; ``scale`` = weight / std for backward.
-        stats = torch.stack([mean - local.shift, var, (var + eps).rsqrt_()]).to(_moments.stat_dtype(input.dtype))
-        shifted_mean, var, invstd = stats.unbind()
+        update_running = running_mean is not None and running_var is not None
+        # The input was shifted per channel (see LocalMoments): normalize it with the mean shifted alike.
+        rows = (
+            [mean - local.shift, var, mean, var * (count / (count - 1))]
+            if update_running
+            else [mean - local.shift, var]
+        )
+        shifted_mean, var, *running_update = torch.stack(rows).to(_moments.stat_dtype(input.dtype)).unbind()
+        if update_running:
+            _update_running_stats(running_mean, running_var, num_batches_tracked, momentum, *running_update)
+        invstd = (var + eps).rsqrt_()
         output = torch.batch_norm(
             local.shifted, weight, bias, shifted_mean, var, False, 0.0, eps, torch.backends.cudnn.enabled
         )
-        ctx.save_for_backward(local.shifted, weight, shifted_mean, var, invstd if weight is None else invstd * weight)
+        scale = invstd if weight is None else invstd * weight  # d(output) / d(x_hat-path) per channel
+        ctx.save_for_backward(local.shifted, weight, shifted_mean, var, scale)
         ctx.eps = eps
         ctx.count = count
         ctx.reducer = reducer

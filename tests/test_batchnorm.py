@@ -140,3 +140,21 @@ def _compiled_equals_eager(rank, world_size):
 def test_torch_compile_matches_eager():
     for errors in run_world(_compiled_equals_eager, 2):
         assert max(errors) < 1e-5
+
+
+def _autocast_bf16(rank, world_size):
+    torch.manual_seed(0)
+    conv, layer = nn.Conv2d(3, 8, 3), distsync.DistSyncBatchNorm2d(8)
+    x = torch.randn(4 * world_size, 3, 10, 10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = conv(x)
+        out = layer(conv(x[rank * 4 : (rank + 1) * 4]))
+    out.float().sum().backward()
+    expected = nn.functional.batch_norm(hidden.double(), None, None, training=True)[rank * 4 : (rank + 1) * 4]
+    return out.dtype, (out.double() - expected).abs().max().item(), layer.running_mean.dtype
+
+
+def test_autocast_bf16_keeps_output_dtype_with_float32_statistics():
+    for dtype, error, stats_dtype in run_world(_autocast_bf16, 2):
+        assert dtype == torch.bfloat16 and stats_dtype == torch.float32
+        assert error < 0.05  # bf16 output rounding on values of size ~3
