@@ -6,9 +6,10 @@ the wrong direction meets a well-formed reduction instead of a size mismatch::
     [ first (C) | second (C) | count | failed | layer, direction, call | layer^2, direction^2, call^2 ]
 
 Forward sends ``first = sum(x)`` and ``second = sum(x^2)``, both computed from a shifted input so that
-nothing cancels (see :class:`LocalMoments`); backward sends ``first = sum(dy)`` and ``second = sum(dy * x_hat)``. The call identity is folded into the
-sum: after a SUM over W ranks, ``(sum t)^2 == W * sum(t^2)`` holds for every identity field iff all ranks
-sent the same value, so every rank reaches the same verdict from the same reduced numbers.
+nothing cancels (see :class:`LocalMoments`); backward sends ``first = sum(dy)`` and
+``second = sum(dy * x_hat)``. The call identity is folded into the sum: after a SUM over W ranks,
+``(sum t)^2 == W * sum(t^2)`` holds for every identity field iff all ranks sent the same value, so every
+rank reaches the same verdict from the same reduced numbers.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class CallTag(NamedTuple):
     layer_name: str
 
     def describe(self) -> str:
-        return f"{self.layer_name} (layer id {self.layer_id}), {_DIRECTIONS[self.direction]} call #{self.call}"
+        return (
+            f"{self.layer_name} (layer id {self.layer_id}), {_DIRECTIONS[self.direction]} call #{self.call}"
+        )
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -132,7 +135,7 @@ def unpack(payload: Tensor, world_size: int, tag: CallTag, problem: str | None) 
     sums, squares = ident[:3], ident[3:]
     disagreeing = [
         name
-        for name, s, sq in zip(("layer", "direction", "call count"), sums, squares)
+        for name, s, sq in zip(("layer", "direction", "call count"), sums, squares, strict=True)
         if s * s != world_size * sq
     ]
     if disagreeing:

@@ -118,7 +118,9 @@ def run_case(case: Case, rank: int, seed: int = 0) -> dict[str, float]:
         out = layer(x)
         out.backward(global_dy[local])
         if out.dtype != x.dtype or out.shape != x.shape or not out.is_contiguous(memory_format=memory_format):
-            raise AssertionError(f"output {out.dtype} {out.stride()} differs from input {x.dtype} {x.stride()}")
+            raise AssertionError(
+                f"output {out.dtype} {out.stride()} differs from input {x.dtype} {x.stride()}"
+            )
         record("output", out.detach(), ref_out.detach()[local])
         record("input grad", x.grad, ref_x.grad[local])
         if case.affine:
@@ -184,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         error = max(worst.values())
         ok = error <= tolerance(case)
         failed += not ok
-        print(f"{'PASS' if ok else 'FAIL'}  max rel. error {error:.1e} (tol {tolerance(case):.0e})  {case.describe()}")
+        verdict = "PASS" if ok else "FAIL"
+        print(f"{verdict}  max rel. error {error:.1e} (tol {tolerance(case):.0e})  {case.describe()}")
     print(f"{len(cases) - failed} passed, {failed} failed")
     return 1 if failed else 0
 

@@ -1,4 +1,4 @@
-"""Swap ``nn.BatchNorm*`` and ``nn.SyncBatchNorm`` for :class:`DistSyncBatchNorm` in a module tree, and back."""
+"""Swap ``nn.BatchNorm*`` / ``nn.SyncBatchNorm`` for :class:`DistSyncBatchNorm` in a module tree, and back."""
 
 from __future__ import annotations
 

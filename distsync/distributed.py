@@ -41,7 +41,8 @@ def init_distributed(
     With ``backend="auto"`` it picks ``nccl`` and ``cuda:LOCAL_RANK`` when CUDA is available, otherwise
     ``gloo`` and the CPU. It is a no-op (returning the device) when the default group already exists, and
     when no torchrun environment is present it returns the device without creating a group, so the same
-    script runs single-process.
+    script runs single-process. Under torchrun it rendezvouses through the agent's store with a key prefix per
+    restart, so workers restarted by ``--max-restarts`` join cleanly.
 
     Args:
         backend: ``"auto"``, or any backend name ``torch.distributed`` accepts. Default: ``"auto"``
@@ -63,5 +64,27 @@ def init_distributed(
     kwargs = {"timeout": timeout} if timeout is not None else {}
     if backend == "nccl":
         kwargs["device_id"] = device
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        kwargs.update(_restart_safe_store(timeout))
     dist.init_process_group(backend=backend, **kwargs)
     return device
+
+
+def _restart_safe_store(timeout: datetime.timedelta | None) -> dict:
+    """Rendezvous through torchrun's agent store under a per-restart key prefix.
+
+    The agent keeps one store across restarts of the worker group without separating attempts, so restarted
+    workers can read the previous attempt's keys and hang in ``init_process_group`` (pytorch#135712).
+    """
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        **({"timeout": timeout} if timeout is not None else {}),
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {
+        "store": dist.PrefixStore(f"distsync/attempt_{attempt}", store),
+        "rank": int(os.environ["RANK"]),
+        "world_size": int(os.environ["WORLD_SIZE"]),
+    }

@@ -25,7 +25,9 @@ def random_cases(world_size: int, count: int, seed: int) -> list[Case]:
             Case(
                 sizes,
                 shape=(rng.randint(1, 6), *spatial),
-                dtype=rng.choice([torch.float32, torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+                dtype=rng.choice(
+                    [torch.float32, torch.float32, torch.float64, torch.float16, torch.bfloat16]
+                ),
                 channels_last=len(spatial) in (2, 3) and rng.random() < 0.3,
                 momentum=rng.choice([0.1, 0.5, None]),
                 affine=rng.random() < 0.7,
@@ -119,7 +121,9 @@ def test_rank_checks_like_batchnorm():
 
 def _compiled_equals_eager(rank, world_size):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4)
+    )
     eager = distsync.convert_sync_batchnorm(model)
     compiled_model = distsync.convert_sync_batchnorm(
         nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.BatchNorm2d(4))

@@ -44,8 +44,11 @@ def test_convert_keeps_dtype_and_process_group_argument():
 
 
 def test_layer_ids_follow_module_order():
-    ids = [m._sync_counter.layer_id for m in distsync.convert_sync_batchnorm(_model()).modules()
-           if isinstance(m, distsync.DistSyncBatchNorm)]
+    ids = [
+        m._sync_counter.layer_id
+        for m in distsync.convert_sync_batchnorm(_model()).modules()
+        if isinstance(m, distsync.DistSyncBatchNorm)
+    ]
     assert ids == sorted(ids) and len(set(ids)) == 4
 
 

@@ -77,8 +77,15 @@ def test_init_distributed_under_torchrun_environment():
         "print(device, dist.get_backend(), dist.get_world_size())\n"
         "dist.destroy_process_group()\n"
     )
-    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(free_port()), CUDA_VISIBLE_DEVICES="")
+    env = dict(
+        os.environ,
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        CUDA_VISIBLE_DEVICES="",
+    )
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["cpu", "gloo", "1"]
@@ -86,7 +93,11 @@ def test_init_distributed_under_torchrun_environment():
 
 def test_init_distributed_without_torchrun_is_single_process():
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
-    script = "import torch.distributed as dist, distsync; distsync.init_distributed(); print(dist.is_initialized())"
+    script = (
+        "import torch.distributed as dist, distsync\n"
+        "distsync.init_distributed()\n"
+        "print(dist.is_initialized())\n"
+    )
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

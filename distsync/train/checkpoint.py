@@ -14,7 +14,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["checkpoint_dir", "save_checkpoint", "latest_checkpoint", "load_checkpoint", "rng_state", "set_rng_state"]
+__all__ = [
+    "checkpoint_dir",
+    "save_checkpoint",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "rng_state",
+    "set_rng_state",
+]
 
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 

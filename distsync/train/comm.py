@@ -53,7 +53,11 @@ class CommSetup:
         """Register the comm hook on ``ddp``; ``step`` (non-zero after a resume) restores the hook's clock."""
         if not self.active:
             return
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
+        from torch.distributed.algorithms.ddp_comm_hooks import (
+            default_hooks,
+            post_localSGD_hook,
+            powerSGD_hook,
+        )
 
         t = self.trainer
         if self.local_sgd:

@@ -76,7 +76,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         _one_of("data.name", self.name, DATASETS)
         _require(self.batch_size >= 1, "data.batch_size", "must be >= 1", self.batch_size)
-        _require(0.0 < self.test_fraction < 1.0, "data.test_fraction", "must be in (0, 1)", self.test_fraction)
+        _require(
+            0.0 < self.test_fraction < 1.0, "data.test_fraction", "must be in (0, 1)", self.test_fraction
+        )
         _require(self.num_samples >= 2, "data.num_samples", "must be >= 2", self.num_samples)
         _require(self.num_classes >= 2, "data.num_classes", "must be >= 2", self.num_classes)
         _require(self.image_size >= 2, "data.image_size", "must be >= 2", self.image_size)
@@ -159,8 +161,12 @@ class TrainerConfig:
         _require(self.nnodes >= 1, "trainer.nnodes", "must be >= 1", self.nnodes)
         _require(self.max_steps >= 1, "trainer.max_steps", "must be >= 1", self.max_steps)
         _require(self.max_restarts >= 0, "trainer.max_restarts", "must be >= 0", self.max_restarts)
-        _require(self.checkpoint_every >= 1, "trainer.checkpoint_every", "must be >= 1", self.checkpoint_every)
-        _require(self.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1", self.keep_checkpoints)
+        _require(
+            self.checkpoint_every >= 1, "trainer.checkpoint_every", "must be >= 1", self.checkpoint_every
+        )
+        _require(
+            self.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1", self.keep_checkpoints
+        )
         _require(self.log_every >= 1, "trainer.log_every", "must be >= 1", self.log_every)
         _require(self.eval_every >= 1, "trainer.eval_every", "must be >= 1", self.eval_every)
         _require(self.timeout_s > 0, "trainer.timeout_s", "must be > 0", self.timeout_s)
@@ -168,11 +174,16 @@ class TrainerConfig:
         _one_of("trainer.metric", self.metric, METRICS)
         _one_of("trainer.comm_hook", self.comm_hook, COMM_HOOKS)
         _require(self.powersgd_rank >= 1, "trainer.powersgd_rank", "must be >= 1", self.powersgd_rank)
-        _require(self.local_sgd_period >= 0, "trainer.local_sgd_period", "must be >= 0", self.local_sgd_period)
-        _require(self.local_sgd_warmup >= 1, "trainer.local_sgd_warmup", "must be >= 1", self.local_sgd_warmup)
-        if self.nnodes > 1:
-            _require(":" in self.rdzv_endpoint or self.rdzv_endpoint == "", "trainer.rdzv_endpoint",
-                     "must be host:port", self.rdzv_endpoint)
+        _require(
+            self.local_sgd_period >= 0, "trainer.local_sgd_period", "must be >= 0", self.local_sgd_period
+        )
+        _require(
+            self.local_sgd_warmup >= 1, "trainer.local_sgd_warmup", "must be >= 1", self.local_sgd_warmup
+        )
+        if self.rdzv_endpoint:
+            _require(
+                ":" in self.rdzv_endpoint, "trainer.rdzv_endpoint", "must be host:port", self.rdzv_endpoint
+            )
 
 
 @dataclass

@@ -79,7 +79,12 @@ class ShardedBatches:
     def __init__(self, data: Split, batch_size: int, rank: int, world_size: int, seed: int) -> None:
         self.images, self.labels = data
         self.sampler = DistributedSampler(
-            range(len(self.labels)), num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+            range(len(self.labels)),
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=True,
+            seed=seed,
+            drop_last=True,
         )
         self.batch_size = batch_size
         self.batches_per_epoch = len(self.sampler) // batch_size

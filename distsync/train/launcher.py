@@ -32,7 +32,7 @@ _SCHEMA = "train_schema"
 
 
 def register_configs() -> None:
-    """Register :class:`TrainConfig` as ``train_schema``, the first entry of ``conf/config.yaml``'s defaults."""
+    """Register :class:`TrainConfig` as ``train_schema``, the first entry of ``conf/config.yaml``."""
     ConfigStore.instance().store(name=_SCHEMA, node=TrainConfig)
 
 
@@ -83,6 +83,8 @@ def prepare_argv(argv: list[str] | None = None) -> None:
     if not under_torchrun():
         return
     if any(arg in ("-m", "--multirun") or arg.startswith("hydra.mode=") for arg in argv[1:]):
+        if int(os.environ.get("RANK", "0")) != 0:
+            raise SystemExit(1)  # rank 0 says why
         _fail(
             "-m/--multirun cannot run under an external torchrun: every sweep job starts its own torchrun "
             "world. Run the sweep without torchrun: python launch/train.py -m ..."
@@ -130,7 +132,10 @@ def hydra_main(cfg: DictConfig) -> float:
 
         summary = run(train_cfg, run_dir)
     else:
-        summary = launch(train_cfg, run_dir)
+        try:
+            summary = launch(train_cfg, run_dir)
+        except ConfigError as error:
+            _fail(str(error), error)
     return summary[train_cfg.trainer.metric]
 
 
@@ -145,6 +150,8 @@ def _check_environment(cfg: TrainConfig) -> None:
             "model.norm=torch uses nn.SyncBatchNorm, which needs CUDA with more than one rank; "
             "use model.norm=sync (DistSyncBatchNorm runs on CPU/gloo)"
         )
+    if cfg.trainer.comm_hook == "bf16" and world > 1 and not torch.cuda.is_available():
+        raise ConfigError("trainer.comm_hook=bf16 needs CUDA with NCCL 2.10+; use fp16 or powersgd on CPU")
 
 
 # ------------------------------------------------------------------------------------------ elastic launch

@@ -31,7 +31,11 @@ class SmallCNN(nn.Module):
         for i, out in enumerate(channels):
             if i > 0:
                 layers.append(nn.MaxPool2d(2, ceil_mode=True))
-            layers += [nn.Conv2d(width, out, 3, padding=1, bias=False), nn.BatchNorm2d(out), nn.ReLU(inplace=True)]
+            layers += [
+                nn.Conv2d(width, out, 3, padding=1, bias=False),
+                nn.BatchNorm2d(out),
+                nn.ReLU(inplace=True),
+            ]
             width = out
         self.features = nn.Sequential(*layers)
         self.head = nn.Sequential(

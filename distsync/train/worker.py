@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import inspect
 import math
 import os
@@ -32,7 +33,9 @@ from .model import all_norms_synced, batch_norms, build_model
 
 __all__ = ["run"]
 
-_DDP_ARGS = inspect.signature(DistributedDataParallel.__init__).parameters  # broadcast_buffers renamed in 2.13
+_DDP_ARGS = inspect.signature(
+    DistributedDataParallel.__init__
+).parameters  # broadcast_buffers renamed in 2.13
 
 KILL_AT_STEP_ENV = "DISTSYNC_TEST_KILL_AT_STEP"
 """Test hook: the rank in ``DISTSYNC_TEST_KILL_RANK`` (default 1) SIGKILLs itself after this step, on the
@@ -56,7 +59,9 @@ def run(cfg: TrainConfig, run_dir: str) -> dict:
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    device = distsync.init_distributed(cfg.trainer.backend, timeout=cfg.trainer.timeout_s)
+    device = distsync.init_distributed(
+        cfg.trainer.backend, timeout=datetime.timedelta(seconds=cfg.trainer.timeout_s)
+    )
     try:
         return _Trainer(cfg, Path(run_dir), device, started).fit()
     finally:
@@ -96,7 +101,9 @@ class _Trainer:
         sync_buffers = not all_norms_synced(self.model)
         key = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
         ddp = DistributedDataParallel(
-            self.model, device_ids=[self.device] if self.device.type == "cuda" else None, **{key: sync_buffers}
+            self.model,
+            device_ids=[self.device] if self.device.type == "cuda" else None,
+            **{key: sync_buffers},
         )
         self.comm.register_hook(ddp, self.step)
         return ddp
@@ -129,8 +136,12 @@ class _Trainer:
         cfg, t = self.cfg, self.cfg.trainer
         self.log.info(
             "world_size=%d device=%s norm=%s global_batch=%d steps=%d run_dir=%s",
-            self.world_size, self.device, cfg.model.norm, cfg.data.batch_size * self.world_size,
-            t.max_steps, self.run_dir,
+            self.world_size,
+            self.device,
+            cfg.model.norm,
+            cfg.data.batch_size * self.world_size,
+            t.max_steps,
+            self.run_dir,
         )
         bar = _progress_bar(t.max_steps, self.step, enabled=self.rank == 0 and t.progress)
         with console_quiet(bar is not None):  # with a bar, INFO lines go to the rank's file only
@@ -168,8 +179,14 @@ class _Trainer:
         _all_reduce(loss_sum)
         self.last_loss = (loss_sum[0] / loss_sum[1]).item()
         lr = self.scheduler.get_last_lr()[0]
-        row = {"kind": "train", "step": self.step, "epoch": self.batches.epoch, "loss": self.last_loss, "lr": lr,
-               "elapsed_s": round(time.time() - self.first_started, 3)}
+        row = {
+            "kind": "train",
+            "step": self.step,
+            "epoch": self.batches.epoch,
+            "loss": self.last_loss,
+            "lr": lr,
+            "elapsed_s": round(time.time() - self.first_started, 3),
+        }
         self.metrics.write(**row)
         if bar is not None:
             bar.set_postfix(loss=f"{self.last_loss:.4f}", refresh=False)
@@ -239,11 +256,19 @@ class _Trainer:
         }
         if self.rank == 0:
             write_json_atomic(self.run_dir / "summary.json", summary)
-            plot_curves(self.metrics.rows(), self.run_dir / "curves.png",
-                        title=f"{self.cfg.data.name}, norm={self.cfg.model.norm}, {self.world_size} ranks")
+            plot_curves(
+                self.metrics.rows(),
+                self.run_dir / "curves.png",
+                title=f"{self.cfg.data.name}, norm={self.cfg.model.norm}, {self.world_size} ranks",
+            )
             self.log.info(
                 "done: %d steps, accuracy %.4f, final loss %.4f, bn_buffers_in_sync=%s, %.1f s -> %s",
-                self.step, accuracy, self.last_loss, in_sync, summary["wall_seconds"], self.run_dir,
+                self.step,
+                accuracy,
+                self.last_loss,
+                in_sync,
+                summary["wall_seconds"],
+                self.run_dir,
             )
         return summary
 
@@ -321,11 +346,18 @@ def _progress_bar(total: int, initial: int, enabled: bool):
 
 
 def _fmt(row: dict) -> str:
-    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "kind")
+    return " ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "kind"
+    )
 
 
 def _test_kill_hook(step: int, rank: int, restarts: int) -> None:
     at = os.environ.get(KILL_AT_STEP_ENV)
-    if at and restarts == 0 and step == int(at) and rank == int(os.environ.get("DISTSYNC_TEST_KILL_RANK", "1")):
+    if (
+        at
+        and restarts == 0
+        and step == int(at)
+        and rank == int(os.environ.get("DISTSYNC_TEST_KILL_RANK", "1"))
+    ):
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,162 @@
+"""End to end: the commands of launch/train.py as subprocesses, with 2 CPU ranks, few steps, tiny data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "launch" / "train.py"
+FAST = [
+    "trainer.log_every=5",
+    "trainer.eval_every=10",
+    "trainer.checkpoint_every=10",
+    "trainer.monitor_interval=0.2",
+]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "DISTSYNC_TEST_"))}
+    env.pop("HYDRA_FULL_ERROR", None)
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _run(args: list[str], cwd: Path, timeout: float = 150, **env: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run(
+        args, cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n---\n")
+    return proc
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _metric_steps(run_dir: Path, kind: str) -> list[int]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if r["kind"] == kind]
+
+
+@pytest.mark.slow
+def test_single_run_from_repo_root(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _run(
+        [sys.executable, "launch/train.py", f"hydra.run.dir={run_dir}", "trainer.max_steps=20", *FAST], ROOT
+    )
+    assert proc.returncode == 0
+    s = _summary(run_dir)
+    assert s["world_size"] == 2 and s["steps"] == 20
+    assert s["bn_buffers_in_sync"] is True
+    assert s["restarts"] == 0 and s["resumed_from_step"] is None
+    assert s["accuracy"] > 0.5 and s["final_loss"] < 2.3
+    assert s["wall_seconds"] > 0
+    assert _metric_steps(run_dir, "train") == [5, 10, 15, 20]
+    assert _metric_steps(run_dir, "eval") == [10, 20]
+    assert (run_dir / "curves.png").stat().st_size > 0
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] != []
+    assert "step=20" in (run_dir / "logs" / "rank1.log").read_text()
+    assert proc.stdout.count("step=20 ") == 1  # only rank 0 talks to the console
+
+
+@pytest.mark.slow
+def test_external_torchrun_from_another_cwd(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        str(SCRIPT),
+        "trainer.max_steps=10",
+    ]
+    proc = _run([*cmd, *FAST], tmp_path)
+    assert proc.returncode == 0
+    run_dirs = [p.parent for p in tmp_path.glob("outputs/*/*/summary.json")]
+    assert len(run_dirs) == 1, list(tmp_path.rglob("*"))  # one run directory for both ranks
+    assert len(list(tmp_path.rglob(".hydra"))) == 1
+    run_dir = run_dirs[0]
+    assert _summary(run_dir)["world_size"] == 2 and _summary(run_dir)["steps"] == 10
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    assert proc.stdout.count("step=10 ") == 1
+
+
+@pytest.mark.slow
+def test_external_torchrun_refuses_multirun(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        str(SCRIPT),
+        "-m",
+        "optim.lr=0.1,0.2",
+    ]
+    proc = _run(cmd, tmp_path, timeout=90)
+    assert proc.returncode != 0
+    assert proc.stderr.count("cannot run under an external torchrun") == 1
+    assert not list(tmp_path.rglob("summary.json"))
+
+
+@pytest.mark.slow
+def test_sweep_runs_one_world_per_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", "optim.lr=0.1,0.05", "trainer.max_steps=10", f"hydra.sweep.dir={sweep}", *FAST]
+    proc = _run([sys.executable, str(SCRIPT), *args], tmp_path)
+    assert proc.returncode == 0
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
+    assert [j.name for j in jobs] == ["0", "1"]
+    for job, lr in zip(jobs, ["0.1", "0.05"], strict=True):
+        assert _summary(job)["steps"] == 10 and _summary(job)["world_size"] == 2
+        assert f"optim.lr={lr}" in (job / ".hydra" / "overrides.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_killed_worker_is_restarted_and_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [f"hydra.run.dir={run_dir}", "trainer.max_steps=30", "trainer.max_restarts=2", *FAST]
+    proc = _run([sys.executable, str(SCRIPT), *args], ROOT, DISTSYNC_TEST_KILL_AT_STEP="15")
+    assert proc.returncode == 0
+    assert "SIGKILL" in proc.stderr  # the agent saw the worker die
+    s = _summary(run_dir)
+    assert s["restarts"] >= 1
+    assert s["resumed_from_step"] == 10
+    assert s["steps"] == 30
+    assert s["bn_buffers_in_sync"] is True
+    steps = _metric_steps(run_dir, "train")
+    assert steps == sorted(set(steps)) == [5, 10, 15, 20, 25, 30]  # the killed attempt's extra rows are gone
+    assert "resumed from" in (run_dir / "logs" / "rank1.log").read_text()
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("trainer.nproc_per_node=abc", "trainer.nproc_per_node"),
+        ("trainer.nproc_per_node=0", "trainer.nproc_per_node"),
+        ("trainer.max_steps=???", "trainer.max_steps"),
+        ("model.norm=bogus", "model.norm"),
+    ],
+)
+def test_bad_override_exits_with_a_short_message(tmp_path, override, key):
+    proc = _run(
+        [sys.executable, str(SCRIPT), f"hydra.run.dir={tmp_path / 'run'}", override], tmp_path, timeout=60
+    )
+    assert proc.returncode != 0
+    assert key in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_full_error_shows_the_traceback(tmp_path):
+    args = [sys.executable, str(SCRIPT), f"hydra.run.dir={tmp_path / 'run'}", "trainer.nproc_per_node=0"]
+    proc = _run(args, tmp_path, timeout=60, HYDRA_FULL_ERROR="1")
+    assert proc.returncode != 0
+    assert "Traceback" in proc.stderr and "trainer.nproc_per_node" in proc.stderr
