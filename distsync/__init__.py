@@ -4,38 +4,12 @@ from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm
 from .convert import BatchNormNd, convert_sync_batchnorm, revert_sync_batchnorm
 from .distributed import init_distributed
 from .errors import SyncError, SyncMismatchError
-from .parallel import (
-    CallbackContext,
-    DataParallelCriterion,
-    DataParallelModel,
-    DataParallelWithCallback,
-    ReplicationCallbackDataParallel,
-    SlavePipe,
-    SynchronizedBatchNorm1d,
-    SynchronizedBatchNorm2d,
-    SynchronizedBatchNorm3d,
-    SyncMaster,
-    convert_model,
-    exec_data_parallel_replication_callback,
-    patch_replication_callback,
-)
+
+# The DataParallel compatibility shim's names are top-level too, so old imports need only a package rename.
+from .parallel import *  # noqa: E402, F403
+from .parallel import __all__ as _shim_names  # noqa: E402
 
 __all__ = [
-    # the DataParallel compatibility shim (distsync.parallel)
-    "CallbackContext",
-    "DataParallelCriterion",
-    "DataParallelModel",
-    "DataParallelWithCallback",
-    "ReplicationCallbackDataParallel",
-    "SlavePipe",
-    "SyncMaster",
-    "SynchronizedBatchNorm1d",
-    "SynchronizedBatchNorm2d",
-    "SynchronizedBatchNorm3d",
-    "convert_model",
-    "exec_data_parallel_replication_callback",
-    "patch_replication_callback",
-    # core
     "BatchNormNd",
     "DistSyncBatchNorm",
     "DistSyncBatchNorm1d",
@@ -46,4 +20,5 @@ __all__ = [
     "convert_sync_batchnorm",
     "init_distributed",
     "revert_sync_batchnorm",
+    *_shim_names,
 ]

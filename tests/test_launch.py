@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "train.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(SCRIPT)]
 FAST = [
     "trainer.log_every=5",
     "trainer.eval_every=10",
@@ -70,15 +71,7 @@ def test_single_run_from_repo_root(tmp_path):
 
 @pytest.mark.slow
 def test_external_torchrun_from_another_cwd(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        str(SCRIPT),
-        "trainer.max_steps=10",
-    ]
-    proc = _run([*cmd, *FAST], tmp_path)
+    proc = _run([*TORCHRUN, "trainer.max_steps=10", *FAST], tmp_path)
     assert proc.returncode == 0
     run_dirs = [p.parent for p in tmp_path.glob("outputs/*/*/summary.json")]
     assert len(run_dirs) == 1, list(tmp_path.rglob("*"))  # one run directory for both ranks
@@ -91,16 +84,7 @@ def test_external_torchrun_from_another_cwd(tmp_path):
 
 @pytest.mark.slow
 def test_external_torchrun_refuses_multirun(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        str(SCRIPT),
-        "-m",
-        "optim.lr=0.1,0.2",
-    ]
-    proc = _run(cmd, tmp_path, timeout=90)
+    proc = _run([*TORCHRUN, "-m", "optim.lr=0.1,0.2"], tmp_path, timeout=90)
     assert proc.returncode != 0
     assert proc.stderr.count("cannot run under an external torchrun") == 1
     assert not list(tmp_path.rglob("summary.json"))
