@@ -46,18 +46,13 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def reduce_dims(input: Tensor) -> list[int]:
-    """All dimensions but the channel dimension 1."""
-    return [0, *range(2, input.dim())]
-
-
 class LocalMoments(NamedTuple):
     """This rank's contribution to the forward payload, and its input shifted per channel.
 
     ``sums`` holds ``sum(x)`` and ``sum(x^2)`` per channel in float64, computed as sums of the shifted
     input ``x - shift`` so that no large terms cancel. Normalizing ``shifted`` with ``mean - shift``
     also keeps the output accurate when the mean is far from zero (``x * a + b`` with large ``x`` would
-    round it away). The shift is the local mean for float32/float64 inputs, zero for half inputs.
+    round it away). The shift is one sample's values for float32/float64 inputs, zero for half inputs.
     """
 
     sums: tuple[Tensor, Tensor]  # sum(x), sum(x^2): (C,) float64 each
@@ -82,7 +77,9 @@ def local_moments(input: Tensor) -> LocalMoments:
         m2 = torch.where(invstd > 0, count / invstd.double().square(), 0.0)  # invstd is 0 for var == 0
         sum_x = mean * count
         return LocalMoments((sum_x, torch.addcmul(m2, sum_x, mean)), input, no_shift)
-    shift = input.mean(reduce_dims(input))
+    # Any in-batch value is within a few standard deviations of the mean: shift by the first sample's,
+    # a view that costs no pass over the data.
+    shift = input[(0, slice(None), *[0] * (input.dim() - 2))]
     shifted = input - _per_channel(shift, input.dim())
     # sum(s^2) and sum(s) of the shifted input in one pass: exactly what eval-mode BN backward reduces.
     _, sum_sq, sum_shifted = torch.ops.aten.native_batch_norm_backward(
