@@ -69,11 +69,14 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if expected.numel() == 0:
         return 0.0
     scale = max(expected.norm().item(), expected.numel() ** 0.5)
-    return (actual.double() - expected).norm().item() / scale
+    return (actual.detach().double().cpu() - expected).norm().item() / scale
 
 
-def run_case(case: Case, rank: int, seed: int = 0) -> dict[str, float]:
-    """Run ``case`` on this rank of the current world; return the worst relative errors by quantity."""
+def run_case(case: Case, rank: int, seed: int = 0, device: str = "cpu") -> dict[str, float]:
+    """Run ``case`` on this rank of the current world; return the worst relative errors by quantity.
+
+    The reference runs in float64 on the CPU; the synced layer runs on ``device``.
+    """
     channels = case.shape[0]
     ndim = len(case.shape) + 1
     ref_cls, sync_cls = _CLASSES[ndim]
@@ -83,7 +86,7 @@ def run_case(case: Case, rank: int, seed: int = 0) -> dict[str, float]:
     gen = torch.Generator().manual_seed(seed)
     reference = ref_cls(channels, **options).double()
     param_dtype = torch.float64 if case.dtype == torch.float64 else torch.float32
-    layer = sync_cls(channels, **options, dtype=param_dtype)
+    layer = sync_cls(channels, **options, device=device, dtype=param_dtype)
     if case.affine:
         with torch.no_grad():
             reference.weight.copy_(torch.rand(channels, generator=gen, dtype=torch.float64) + 0.5)
@@ -109,14 +112,14 @@ def run_case(case: Case, rank: int, seed: int = 0) -> dict[str, float]:
         ref_x = global_x.to(torch.float64, copy=True).requires_grad_()
         ref_out = reference(ref_x)
         ref_out.backward(global_dy.double())
-        x = global_x[local].clone()
+        x = global_x[local].to(device, copy=True)
         memory_format = torch.contiguous_format
         if case.channels_last and ndim in (4, 5):
             memory_format = torch.channels_last if ndim == 4 else torch.channels_last_3d
             x = x.to(memory_format=memory_format)
         x.requires_grad_()
         out = layer(x)
-        out.backward(global_dy[local])
+        out.backward(global_dy[local].to(device))
         if out.dtype != x.dtype or out.shape != x.shape or not out.is_contiguous(memory_format=memory_format):
             raise AssertionError(
                 f"output {out.dtype} {out.stride()} differs from input {x.dtype} {x.stride()}"
@@ -143,8 +146,10 @@ def tolerance(case: Case) -> float:
     return _TOLERANCE[case.dtype]
 
 
-def _check_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, float]]:
-    return [run_case(case, rank) for case in cases]
+def _check_cases(rank: int, world_size: int, cases: list[Case], device: str) -> list[dict[str, float]]:
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+    return [run_case(case, rank, device=device) for case in cases]
 
 
 def default_cases(world_size: int) -> list[Case]:
@@ -170,13 +175,21 @@ def default_cases(world_size: int) -> list[Case]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distsync.check", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="number of gloo worker processes (default 2)")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the synced layer runs (default cpu)"
+    )
     args = parser.parse_args(argv)
     if args.nproc < 1:
         parser.error("--nproc must be >= 1")
     cases = default_cases(args.nproc)
-    print(f"distsync self-check: {len(cases)} cases on {args.nproc} gloo ranks (torch {torch.__version__})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    print(
+        f"distsync self-check: {len(cases)} cases on {args.nproc} gloo ranks, {args.device} "
+        f"(torch {torch.__version__})"
+    )
     try:
-        per_rank = run_world(_check_cases, args.nproc, cases)
+        per_rank = run_world(_check_cases, args.nproc, cases, args.device)
     except WorkerFailed as failure:
         print(failure, file=sys.stderr)
         return 1
