@@ -80,10 +80,19 @@ def local_moments(input: Tensor) -> LocalMoments:
     # Any in-batch value is within a few standard deviations of the mean: shift by the first sample's,
     # a view that costs no pass over the data.
     shift = input[(0, slice(None), *[0] * (input.dim() - 2))]
-    shifted = input - _per_channel(shift, input.dim())
+    shifted = input - per_channel(shift, input.dim())
     # sum(s^2) and sum(s) of the shifted input in one pass: exactly what eval-mode BN backward reduces.
     _, sum_sq, sum_shifted = torch.ops.aten.native_batch_norm_backward(
-        shifted, shifted, None, _zeros(shift), _ones(shift), None, None, False, 0.0, [False, True, True]
+        shifted,
+        shifted,
+        None,
+        torch.zeros_like(shift),
+        torch.ones_like(shift),
+        None,
+        None,
+        False,
+        0.0,
+        [False, True, True],
     )
     sum_shifted, sum_sq, shift = torch.stack([sum_shifted, sum_sq, shift]).double().unbind()
     sum_x = torch.add(sum_shifted, shift, alpha=count)
@@ -91,15 +100,8 @@ def local_moments(input: Tensor) -> LocalMoments:
     return LocalMoments((sum_x, sum_x2), shifted, shift)
 
 
-def _zeros(like: Tensor) -> Tensor:
-    return torch.zeros_like(like)
-
-
-def _ones(like: Tensor) -> Tensor:
-    return torch.ones_like(like)
-
-
-def _per_channel(values: Tensor, ndim: int) -> Tensor:
+def per_channel(values: Tensor, ndim: int) -> Tensor:
+    """View a (C,) tensor so that it broadcasts over an (N, C, *) input of ``ndim`` dimensions."""
     return values.view(1, -1, *([1] * (ndim - 2)))
 
 

@@ -96,7 +96,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         output = torch.batch_norm(
             local.shifted, weight, bias, shifted_mean, var, False, 0.0, eps, torch.backends.cudnn.enabled
         )
-        scale = invstd if weight is None else invstd * weight  # d(output) / d(x_hat-path) per channel
+        scale = invstd if weight is None else invstd * weight  # weight / std, what backward scales dy by
         ctx.save_for_backward(local.shifted, weight, shifted_mean, var, scale)
         ctx.eps = eps
         ctx.count = count
@@ -135,4 +135,4 @@ def _sync_grad_input(ctx, grad_output, input, mean, var, scale, sum_dy, sum_dy_x
     # The x_hat-dependent part and the constant in one fused eval-mode batch-norm pass, then + scale * dy.
     shift, slope = ((sums / -ctx.count).to(scale.dtype) * scale).unbind()
     grad_input = torch.batch_norm(input, slope, shift, mean, var, False, 0.0, ctx.eps, False)
-    return grad_input.addcmul_(grad_output, scale.view(1, -1, *([1] * (input.dim() - 2))))
+    return grad_input.addcmul_(grad_output, _moments.per_channel(scale, input.dim()))
