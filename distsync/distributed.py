@@ -8,7 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_distributed", "is_distributed", "get_rank", "get_world_size", "group_size"]
+__all__ = ["init_distributed", "is_distributed", "get_rank", "get_world_size"]
 
 
 def is_distributed() -> bool:
@@ -24,11 +24,6 @@ def get_rank() -> int:
 def get_world_size() -> int:
     """Number of ranks in the default group, 1 when not distributed."""
     return dist.get_world_size() if is_distributed() else 1
-
-
-def group_size(process_group: dist.ProcessGroup | None) -> int:
-    """Number of ranks in ``process_group`` (default group if None), 1 when not distributed."""
-    return dist.get_world_size(process_group) if is_distributed() else 1
 
 
 def init_distributed(
