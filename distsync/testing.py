@@ -6,6 +6,7 @@ import io
 import os
 import queue
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_world", "WorkerFailed"]
+__all__ = ["free_port", "run_threads", "run_world", "WorkerFailed"]
 
 
 class WorkerFailed(RuntimeError):
@@ -87,3 +88,29 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
         raise WorkerFailed(f"{len(failures)} rank(s) failed:\n{report}")
     return [torch.load(io.BytesIO(outcome[rank][1]), weights_only=False) for rank in range(world_size)]
+
+
+def run_threads(
+    fns: list[Callable[[], Any]], timeout: float = 30.0
+) -> tuple[dict[int, Any], dict[int, BaseException]]:
+    """Run each of ``fns`` in its own thread; return (results, errors) by index.
+
+    The in-process twin of :func:`run_world`, for replicas of one process. Raises ``AssertionError`` if a
+    thread is still running after ``timeout`` seconds, so a deadlock fails the caller instead of blocking it.
+    """
+    results: dict[int, Any] = {}
+    errors: dict[int, BaseException] = {}
+
+    def target(index: int, fn: Callable[[], Any]) -> None:
+        try:
+            results[index] = fn()
+        except BaseException as error:  # collected for the caller to inspect
+            errors[index] = error
+
+    threads = [threading.Thread(target=target, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+        assert not thread.is_alive(), "a thread hung"
+    return results, errors

@@ -1,5 +1,6 @@
 """SyncMaster/SlavePipe: the seed's master/slave protocol with threads, bounded waits, failures, pickle."""
 
+import functools
 import pickle
 import threading
 import time
@@ -8,30 +9,14 @@ import pytest
 
 from distsync import SyncError
 from distsync.parallel import SlavePipe, SyncMaster
+from distsync.testing import run_threads
+
+_run = functools.partial(run_threads, timeout=10.0)  # protocol rounds are quick
 
 
 def _sum_to_all(intermediates):
     total = sum(msg for _, msg in intermediates)
     return [(identifier, (total, identifier)) for identifier, _ in intermediates]
-
-
-def _run(fns, timeout=10.0):
-    """Run each fn in its own thread; return (results, errors) by index, failing if any thread hangs."""
-    results, errors = {}, {}
-
-    def target(i, fn):
-        try:
-            results[i] = fn()
-        except BaseException as error:  # collected for the test to inspect
-            errors[i] = error
-
-    threads = [threading.Thread(target=target, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout)
-        assert not thread.is_alive(), "a copy hung"
-    return results, errors
 
 
 def test_master_callback_sees_master_first_and_replies_reach_each_slave():

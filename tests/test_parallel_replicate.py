@@ -7,7 +7,6 @@ import copy
 import importlib
 import io
 import pickle
-import threading
 import time
 import warnings
 
@@ -28,7 +27,7 @@ from distsync.parallel import (
     patch_replication_callback,
     transport,
 )
-from distsync.testing import run_world
+from distsync.testing import run_threads, run_world
 
 _replicate_module = importlib.import_module("torch.nn.parallel.replicate")
 _data_parallel_module = importlib.import_module("torch.nn.parallel.data_parallel")
@@ -62,24 +61,6 @@ def replicate(monkeypatch):
     return make
 
 
-def _threads(fns, join_timeout=30.0):
-    results, errors = {}, {}
-
-    def target(i, fn):
-        try:
-            results[i] = fn()
-        except BaseException as error:  # inspected by the tests
-            errors[i] = error
-
-    threads = [threading.Thread(target=target, args=(i, fn), daemon=True) for i, fn in enumerate(fns)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(join_timeout)
-        assert not thread.is_alive(), "a replica hung"
-    return results, errors
-
-
 def _forward_backward(replicas, chunks, grad_chunks):
     """One thread per replica: forward its chunk and backward its part of the output gradient."""
 
@@ -91,7 +72,7 @@ def _forward_backward(replicas, chunks, grad_chunks):
 
     triples = zip(replicas, chunks, grad_chunks, strict=True)
     fns = [lambda r=r, c=c, g=g: step(r, c, g) for r, c, g in triples]
-    results, errors = _threads(fns)
+    results, errors = run_threads(fns)
     if errors:
         raise next(iter(errors.values()))
     outs, grads = zip(*(results[i] for i in range(len(replicas))), strict=True)
@@ -211,7 +192,7 @@ def test_a_replica_failing_in_forward_makes_the_others_raise_within_the_timeout(
     replicas = replicate(model, 3)
     chunks = torch.randn(9, 3).split([3, 2, 4])
     start = time.monotonic()
-    _, errors = _threads([lambda r=r, c=c: r(c) for r, c in zip(replicas, chunks, strict=True)])
+    _, errors = run_threads([lambda r=r, c=c: r(c) for r, c in zip(replicas, chunks, strict=True)])
     assert time.monotonic() - start < 5.0
     assert isinstance(errors[1], RuntimeError) and "exploded" in str(errors[1])
     assert isinstance(errors[0], SyncError) and isinstance(errors[2], SyncError)
@@ -251,7 +232,7 @@ def test_data_parallel_methods_wire_replicas_and_release_siblings(replicate, mon
     monkeypatch.setattr(transport, "REPLICA_SYNC_TIMEOUT", 60.0)
 
     def cpu_parallel_apply(modules, inputs, kwargs_tup=None, devices=None):  # threads, as on CUDA
-        results, errors = _threads([lambda m=m, x=x: m(*x) for m, x in zip(modules, inputs, strict=True)])
+        results, errors = run_threads([lambda m=m, x=x: m(*x) for m, x in zip(modules, inputs, strict=True)])
         if errors:
             raise next(iter(errors.values()))
         return [results[i] for i in range(len(modules))]
@@ -322,7 +303,7 @@ def test_custom_modules_built_on_sync_master_keep_working(replicate):
     for _ in range(2):  # the same SyncMaster serves a new replication each forward
         replicas = replicate(module, 3)
         pairs = zip(replicas, x.split(2), strict=True)
-        results, errors = _threads([lambda r=r, c=c: r(c) for r, c in pairs])
+        results, errors = run_threads([lambda r=r, c=c: r(c) for r, c in pairs])
         assert not errors
         assert all(torch.allclose(results[i], torch.full((2, 2), float(x.sum()))) for i in range(3))
     assert module.order == [0, 1, 2, 0, 1, 2]  # the master copy first
