@@ -57,7 +57,7 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def _sync_device() -> None:
+def sync_device() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -78,12 +78,12 @@ def time_interleaved(variants: dict[str, Callable[[], None]], budget: Budget) ->
         shift = rep % len(names)
         for index in list(range(shift, len(names))) + list(range(shift)):
             fn = variants[names[index]]
-            _sync_device()
+            sync_device()
             dist.barrier()
             start = time.perf_counter()
             for _ in range(budget.inner):
                 fn()
-            _sync_device()
+            sync_device()
             times[index, rep] = (time.perf_counter() - start) / budget.inner
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return {name: times[i].tolist() for i, name in enumerate(names)}

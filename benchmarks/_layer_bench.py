@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _harness import Budget, device, median, median_ratio, time_interleaved
+from _harness import Budget, device, median, median_ratio, sync_device, time_interleaved
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
@@ -108,6 +109,29 @@ def bench_layers(
             for axis, sweep in sweeps.items()
         },
     }
+
+
+def allreduce_latency(channels: int, calls: int = 400) -> dict:
+    """Quantiles of one all_reduce of a (2C+8) float64 sync payload, back to back on otherwise idle ranks.
+
+    The slowest rank's time per call. Set against the floor's cost per all_reduce inside a training step,
+    it shows how much of that cost is the transport itself.
+    """
+    payload = torch.zeros(2 * channels + 8, dtype=torch.float64, device=device())
+    for _ in range(20):
+        dist.all_reduce(payload)
+    times = torch.zeros(calls, dtype=torch.float64)
+    dist.barrier()
+    for call in range(calls):
+        start = time.perf_counter()
+        dist.all_reduce(payload)
+        sync_device()
+        times[call] = time.perf_counter() - start
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    levels = (0.5, 0.75, 0.9)
+    quantiles = torch.quantile(times, torch.tensor(levels, dtype=torch.float64)).tolist()
+    named = {f"p{round(level * 100)}_s": value for level, value in zip(levels, quantiles, strict=True)}
+    return {"channels": channels, "mean_s": times.mean().item(), **named}
 
 
 def profile_layer(shape: Shape, calls: int = 200, top: int = 16) -> str:

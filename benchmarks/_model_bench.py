@@ -164,6 +164,12 @@ def bench_model(budget: Budget, with_torch_syncbn: bool) -> dict:
             for base in ("local", "local_nobcast", "floor")
         },
         "group_vs_default_quartiles": ratio_quartiles(times["sync_group"], times["sync"]),
+        # What each of the floor's added all-reduces costs inside the step: transport plus waiting for the
+        # slower rank, which the compute between two syncs makes far longer than on idle ranks.
+        "allreduce_in_step_s": median(
+            (floor - plain) / (2 * BLOCKS)
+            for floor, plain in zip(times["floor"], times["local_nobcast"], strict=True)
+        ),
         "memory": memory,
         "collectives": _count_collectives(steps["sync"]),
         "times_s": times,

@@ -58,7 +58,17 @@ def _layer_table(layers: dict) -> list[str]:
     return lines
 
 
-def _model_table(model: dict, torch_syncbn: str | None) -> list[str]:
+def _allreduce_row(model: dict, latency: dict) -> str:
+    ms = {key: value * 1e3 for key, value in latency.items() if key.endswith("_s")}
+    return (
+        f"| one BN all_reduce ({(2 * latency['channels'] + 8) * 8} B): inside the step vs. back to back "
+        f"on idle ranks | {model['allreduce_in_step_s'] * 1e3:.2f} ms = (floor - no-bcast local) / {2 * 7} "
+        f"vs. idle p50 {ms['p50_s']:.2f} / p75 {ms['p75_s']:.2f} / p90 {ms['p90_s']:.2f} ms "
+        f"(mean {ms['mean_s']:.2f}) | | sets the floor |"
+    )
+
+
+def _model_table(model: dict, torch_syncbn: str | None, latency: dict) -> list[str]:
     med, ratio, strict = model["median_s"], model["ratio_to_local"], model["ratio_to_local_nobcast"]
     mem, coll = model["memory"], model["collectives"]
     peak = mem["sync"]["peak_bytes"] / mem["local"]["peak_bytes"]
@@ -74,6 +84,7 @@ def _model_table(model: dict, torch_syncbn: str | None) -> list[str]:
         f"| DDP step, local BN (broadcast_buffers=False) | {med['local_nobcast'] * 1e3:.2f} ms | | |",
         f"| DDP step, floor: local BN + 2 all_reduces per BN (hooks), no bcast | {med['floor'] * 1e3:.2f} ms "
         f"({ratio['floor']:.3f}x local) | | the best a synced BN can do here |",
+        _allreduce_row(model, latency),
         f"| DDP step, distsync (broadcast_buffers=False) | {med['sync'] * 1e3:.2f} ms "
         f"({model['ratio_to_floor']['sync']:.3f}x the model floor) | | |",
         f"| model ratio distsync / local BN | **{ratio['sync']:.3f}** (vs no-bcast local: "
@@ -109,7 +120,7 @@ def table(results: dict) -> str:
         *_layer_table(results["layers"]),
         "",
         "Model: DDP training step, 7 conv-BN-ReLU blocks, C=32, 32x32, batch 16 per rank",
-        *_model_table(results["model"], results["layers"]["torch_syncbn"]),
+        *_model_table(results["model"], results["layers"]["torch_syncbn"], results["allreduce_latency"]),
     ]
     return "\n".join(lines)
 

@@ -64,35 +64,25 @@ def local_moments(input: Tensor) -> LocalMoments:
     """Per-channel ``sum(x)`` and ``sum(x^2)`` of this rank's batch, accurate for any mean."""
     num_channels = input.shape[1]
     count = input.numel() // num_channels if num_channels else 0
-    device = input.device
-    no_shift = torch.zeros(num_channels, dtype=torch.float64, device=device)
     if count == 0:
+        no_shift = torch.zeros(num_channels, dtype=torch.float64, device=input.device)
         return LocalMoments((no_shift, no_shift), input, no_shift)
     if input.dtype in (torch.float16, torch.bfloat16):
         # The fused kernel accumulates half inputs in float32 without an fp32 copy of the activation;
         # a float32 weight selects its mixed-precision variant, whose statistics are float32.
-        ones = torch.ones(num_channels, dtype=torch.float32, device=device)
+        ones = torch.ones(num_channels, dtype=torch.float32, device=input.device)
         _, mean, invstd = torch.native_batch_norm(input, ones, None, None, None, True, 0.0, 0.0)
         mean = mean.double()
         m2 = torch.where(invstd > 0, count / invstd.double().square(), 0.0)  # invstd is 0 for var == 0
         sum_x = mean * count
-        return LocalMoments((sum_x, torch.addcmul(m2, sum_x, mean)), input, no_shift)
+        return LocalMoments((sum_x, torch.addcmul(m2, sum_x, mean)), input, torch.zeros_like(sum_x))
     # Any in-batch value is within a few standard deviations of the mean: shift by the first sample's,
     # a view that costs no pass over the data.
     shift = input[(0, slice(None), *[0] * (input.dim() - 2))]
     shifted = input - per_channel(shift, input.dim())
-    # sum(s^2) and sum(s) of the shifted input in one pass: exactly what eval-mode BN backward reduces.
+    # sum(s) and sum(s * (x - shift)) = sum(s^2) in one pass: exactly what eval-mode BN backward reduces.
     _, sum_sq, sum_shifted = torch.ops.aten.native_batch_norm_backward(
-        shifted,
-        shifted,
-        None,
-        torch.zeros_like(shift),
-        torch.ones_like(shift),
-        None,
-        None,
-        False,
-        0.0,
-        [False, True, True],
+        shifted, input, None, shift, torch.ones_like(shift), None, None, False, 0.0, [False, True, True]
     )
     sum_shifted, sum_sq, shift = torch.stack([sum_shifted, sum_sq, shift]).double().unbind()
     sum_x = torch.add(sum_shifted, shift, alpha=count)
@@ -109,7 +99,9 @@ def pack(sums: tuple[Tensor, Tensor], count: int, tag: CallTag, failed: bool) ->
     """The float64 payload of one sync call from its two per-channel sums (see the module docstring)."""
     ident = (tag.layer_id, tag.direction, tag.call % _CALL_MODULUS)
     tail = (float(count), float(failed), *ident, *(v * v for v in ident))
-    return torch.cat([*sums, torch.tensor(tail, dtype=torch.float64, device=sums[0].device)])
+    return torch.cat(
+        [*sums, torch.tensor(tail, dtype=torch.float64, device=sums[0].device)]
+    )  # promotes to f64
 
 
 def forward_payload(

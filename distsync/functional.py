@@ -127,7 +127,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
 def _sync_grad_input(ctx, grad_output, input, mean, var, scale, sum_dy, sum_dy_xhat) -> Tensor:
     """dx = scale * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all participants."""
     tag = ctx.counter.next_tag(BACKWARD)
-    payload = _moments.pack(torch.stack([sum_dy, sum_dy_xhat]).double().unbind(), 0, tag, failed=False)
+    payload = _moments.pack((sum_dy, sum_dy_xhat), 0, tag, failed=False)
     ctx.reducer.all_reduce(payload)
     _, sums = _moments.unpack(payload, ctx.reducer.world_size, tag, None)
     if not input.numel():
