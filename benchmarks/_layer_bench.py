@@ -12,6 +12,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from distsync import DistSyncBatchNorm2d
+from distsync.testing import allocations
 
 Shape = tuple[int, int, int, int]
 OVERHEAD_SHAPE: Shape = (2, 8, 2, 2)
@@ -55,12 +56,17 @@ def torch_syncbn_status() -> str | None:
     return None
 
 
-def layer_variants(shape: Shape, with_torch_syncbn: bool = False) -> dict[str, Callable[[], None]]:
-    """The timed variants for one input shape; all of them run the same local batch."""
+def layer_variants(
+    shape: Shape, with_torch_syncbn: bool = False, dtype: torch.dtype = torch.float32
+) -> dict[str, Callable[[], None]]:
+    """The timed variants for one input shape; all of them run the same local batch.
+
+    Parameters and statistics stay float32 whatever the input ``dtype``, as under autocast.
+    """
     dev = device()
     channels = shape[1]
-    x = torch.randn(shape, device=dev, requires_grad=True)
-    grad = torch.randn(shape, device=dev)
+    x = torch.randn(shape, device=dev, dtype=dtype, requires_grad=True)
+    grad = torch.randn(shape, device=dev, dtype=dtype)
     payload = torch.zeros(2 * channels + 8, dtype=torch.float64, device=dev)
     local = nn.BatchNorm2d(channels).to(dev)
 
@@ -83,10 +89,17 @@ def layer_variants(shape: Shape, with_torch_syncbn: bool = False) -> dict[str, C
     return variants
 
 
-def bench_shape(shape: Shape, budget: Budget, with_torch_syncbn: bool) -> dict:
+def bench_shape(
+    shape: Shape, budget: Budget, with_torch_syncbn: bool, dtype: torch.dtype = torch.float32
+) -> dict:
     """Median seconds per fwd+bwd of each variant, and the ratios to the floor."""
-    times = time_interleaved(layer_variants(shape, with_torch_syncbn), budget)
-    result = {"shape": list(shape), "median_s": {name: median(t) for name, t in times.items()}}
+    variants = layer_variants(shape, with_torch_syncbn, dtype)
+    times = time_interleaved(variants, budget)
+    result = {
+        "shape": list(shape),
+        "dtype": str(dtype).removeprefix("torch."),
+        "median_s": {name: median(t) for name, t in times.items()},
+    }
     result["ratio_to_floor"] = {
         name: median_ratio(t, times["floor"]) for name, t in times.items() if name in ("sync", "torch_syncbn")
     }
@@ -95,15 +108,36 @@ def bench_shape(shape: Shape, budget: Budget, with_torch_syncbn: bool) -> dict:
     return result
 
 
+def half_memory(shape: Shape, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Largest single allocation and peak bytes of one fwd+bwd on a half input, distsync vs. native BN.
+
+    In units of the half activation's bytes: a float32 copy of the activation would show as 2.
+    """
+    variants = layer_variants(shape, dtype=dtype)
+    activation = torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
+    result = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+    for name in ("sync_nocomm", "local"):
+        variants[name]()
+        events = allocations(variants[name])
+        held = torch.tensor([size for _, size in events], dtype=torch.float64).cumsum(0)
+        result[name] = {
+            "largest_allocation": max(size for _, size in events) / activation,
+            "peak": held.max().item() / activation,
+        }
+    return result
+
+
 def bench_layers(
     shapes: list[Shape], sweeps: dict[str, list[Shape]], budget: Budget, sweep_budget: Budget
 ) -> dict:
-    """The headline shapes, then the sweeps (e.g. over channels and over batch) drawn in the plot."""
+    """The headline shapes (float32, then the last one in bfloat16), then the sweeps drawn in the plot."""
     status = torch_syncbn_status()
     return {
         "torch_syncbn": status,
         "overhead": bench_shape(OVERHEAD_SHAPE, budget, status is None),
-        "shapes": [bench_shape(shape, budget, status is None) for shape in shapes],
+        "shapes": [bench_shape(shape, budget, status is None) for shape in shapes]
+        + [bench_shape(shapes[-1], budget, status is None, torch.bfloat16)],
+        "half_memory": half_memory(shapes[-1]),
         "sweeps": {
             axis: [bench_shape(shape, sweep_budget, status is None) for shape in sweep]
             for axis, sweep in sweeps.items()

@@ -11,11 +11,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _harness import Budget, device, median, median_ratio, ratio_quartiles, time_interleaved
 from torch import nn
-from torch._C._profiler import _EventType
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 import distsync
+from distsync.testing import allocations
 
 BLOCKS, CHANNELS, SIZE, BATCH, CLASSES = 7, 32, 32, 16, 10
 # broadcast_buffers=False, spelled the way this torch version accepts without a deprecation warning.
@@ -91,16 +91,9 @@ def _peak_bytes(step: Callable[[], None]) -> int:
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    nodes, allocations = list(prof.profiler.kineto_results.experimental_event_tree()), []
-    while nodes:
-        node = nodes.pop()
-        nodes.extend(node.children)
-        if node.typed[0] == _EventType.Allocation:
-            allocations.append((node.start_time_ns, node.typed[1].alloc_size))
+    events = allocations(step)
     current = peak = 0
-    for _, size in sorted(allocations):
+    for _, size in events:
         current += size
         peak = max(peak, current)
     return peak

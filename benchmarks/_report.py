@@ -30,7 +30,8 @@ def _short(status: str | None) -> str | None:
 def _layer_table(layers: dict) -> list[str]:
     torch_syncbn = _short(layers["torch_syncbn"])
     lines = [
-        "| shape (N,C,H,W) | distsync us | floor us | local BN us | 2x all_reduce us | distsync no-comm us "
+        "| shape (N,C,H,W), dtype | distsync us | floor us | local BN us | 2x all_reduce us "
+        "| distsync no-comm us "
         f"| nn.SyncBatchNorm | distsync/floor (target <={LAYER_TARGET}, goal {LAYER_GOAL}) |",
         "|---|---:|---:|---:|---:|---:|---|---|",
     ]
@@ -42,11 +43,21 @@ def _layer_table(layers: dict) -> list[str]:
             else f"{_us(med['torch_syncbn'])} us ({ratio['torch_syncbn']:.2f}x floor)"
         )
         lines.append(
-            f"| {tuple(entry['shape'])} | {_us(med['sync'])} | {_us(med['floor'])} | {_us(med['local'])} "
+            f"| {tuple(entry['shape'])}, {entry['dtype']} | {_us(med['sync'])} | {_us(med['floor'])} "
+            f"| {_us(med['local'])} "
             f"| {_us(med['allreduce_x2'])} | {_us(med['sync_nocomm'])} "
             f"({entry['nocomm_ratio_to_local']:.2f}x local) | {peer} | **{ratio['sync']:.2f}** "
             f"{_verdict(ratio['sync'], LAYER_TARGET, LAYER_GOAL)} |"
         )
+    half = layers["half_memory"]
+    sync, local = half["sync_nocomm"], half["local"]
+    lines += [
+        "",
+        f"{half['dtype']} input {tuple(half['shape'])}, float32 parameters, one fwd+bwd: largest single "
+        f"allocation {sync['largest_allocation']:.2f}x the {half['dtype']} activation for distsync, "
+        f"{local['largest_allocation']:.2f}x for nn.BatchNorm2d (a float32 copy would be 2x); peak bytes "
+        f"held {sync['peak']:.2f}x vs {local['peak']:.2f}x.",
+    ]
     tiny = layers["overhead"]
     extra = tiny["median_s"]["sync_nocomm"] - tiny["median_s"]["local"]
     lines += [

@@ -68,14 +68,14 @@ def local_moments(input: Tensor) -> LocalMoments:
         no_shift = torch.zeros(num_channels, dtype=torch.float64, device=input.device)
         return LocalMoments((no_shift, no_shift), input, no_shift)
     if input.dtype in (torch.float16, torch.bfloat16):
-        # The fused kernel accumulates half inputs in float32 without an fp32 copy of the activation;
-        # a float32 weight selects its mixed-precision variant, whose statistics are float32.
-        ones = torch.ones(num_channels, dtype=torch.float32, device=input.device)
-        _, mean, invstd = torch.native_batch_norm(input, ones, None, None, None, True, 0.0, 0.0)
-        mean = mean.double()
-        m2 = torch.where(invstd > 0, count / invstd.double().square(), 0.0)  # invstd is 0 for var == 0
+        # Mean and biased variance straight from the half input, accumulated in float32 with no float32
+        # copy of it and no output written: float32 running buffers select the mixed-precision kernel, and
+        # with momentum 1 they are scratch space.
+        scratch_mean, scratch_var = torch.zeros(2, num_channels, device=input.device).unbind()
+        mean, var = torch.batch_norm_update_stats(input, scratch_mean, scratch_var, 1.0)
+        mean, var = torch.stack([mean, var]).double().unbind()
         sum_x = mean * count
-        return LocalMoments((sum_x, torch.addcmul(m2, sum_x, mean)), input, torch.zeros_like(sum_x))
+        return LocalMoments((sum_x, torch.addcmul(var * count, sum_x, mean)), input, torch.zeros_like(sum_x))
     # Any in-batch value is within a few standard deviations of the mean: shift by the first sample's,
     # a view that costs no pass over the data.
     shift = input[(0, slice(None), *[0] * (input.dim() - 2))]

@@ -47,6 +47,7 @@ class Case:
     generic_class: bool = False  # DistSyncBatchNorm instead of the rank-checking 1d/2d/3d class
     offset: float = 0.0  # input mean in units of its standard deviation: far from zero tests the numerics
     steps: int = 3
+    param_dtype: torch.dtype | None = None  # parameters and buffers; None: float32 (float64 for float64)
 
     def describe(self) -> str:
         flags = [
@@ -57,6 +58,7 @@ class Case:
             "no running stats" if not self.track_running_stats else "",
             "generic" if self.generic_class else "",
             f"mean={self.offset:g}" if self.offset else "",
+            f"params={str(self.param_dtype).removeprefix('torch.')}" if self.param_dtype else "",
         ]
         return f"sizes={list(self.sizes)} shape=(N,{','.join(map(str, self.shape))}) " + " ".join(
             f for f in flags if f
@@ -85,7 +87,7 @@ def run_case(case: Case, rank: int, seed: int = 0, device: str = "cpu") -> dict[
     options = dict(momentum=case.momentum, affine=case.affine, track_running_stats=case.track_running_stats)
     gen = torch.Generator().manual_seed(seed)
     reference = ref_cls(channels, **options).double()
-    param_dtype = torch.float64 if case.dtype == torch.float64 else torch.float32
+    param_dtype = case.param_dtype or (torch.float64 if case.dtype == torch.float64 else torch.float32)
     layer = sync_cls(channels, **options, device=device, dtype=param_dtype)
     if case.affine:
         with torch.no_grad():
@@ -165,6 +167,7 @@ def default_cases(world_size: int) -> list[Case]:
         Case(even, shape=(8, 4, 4), channels_last=True),
         Case(uneven, shape=(4, 3, 3), dtype=torch.float16),
         Case(uneven, shape=(4, 3, 3), dtype=torch.bfloat16),
+        Case(uneven, shape=(4, 3, 3), dtype=torch.float16, param_dtype=torch.float16),  # model.half()
         Case(uneven, shape=(4, 3, 3), dtype=torch.float64, momentum=None),
         Case(uneven, momentum=None, affine=False),
         Case(uneven, track_running_stats=False, generic_class=True),

@@ -89,7 +89,11 @@ class SyncBatchNormFunction(torch.autograd.Function):
             if update_running
             else [mean - local.shift, var]
         )
-        shifted_mean, var, *running_update = torch.stack(rows).to(_moments.stat_dtype(input.dtype)).unbind()
+        stats_dtype = _moments.stat_dtype(input.dtype)
+        shifted_mean, var, *running_update = torch.stack(rows).to(stats_dtype).unbind()
+        ctx.param_dtype = None if weight is None else weight.dtype
+        if weight is not None and weight.dtype != stats_dtype:  # e.g. model.half(): normalize in float32
+            weight, bias = weight.to(stats_dtype), bias.to(stats_dtype)
         if update_running:
             _update_running_stats(running_mean, running_var, num_batches_tracked, momentum, *running_update)
         invstd = (var + eps).rsqrt_()
@@ -111,20 +115,22 @@ class SyncBatchNormFunction(torch.autograd.Function):
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         if input.numel():
             _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward.default(
-                grad_output, input, weight, mean, var, None, None, False, ctx.eps, [False, True, True]
+                grad_output, input, None, mean, var, None, None, False, ctx.eps, [False, True, True]
             )
         else:
             sum_dy_xhat = torch.zeros_like(mean)
             sum_dy = torch.zeros_like(mean)
         grad_input = None
         if need_input:
-            grad_input = _sync_grad_input(ctx, grad_output, input, mean, var, scale, sum_dy, sum_dy_xhat)
-        grad_weight = sum_dy_xhat.to(weight.dtype) if need_weight else None
-        grad_bias = sum_dy.to(weight.dtype) if need_bias else None
+            grad_input = _sync_grad_input(
+                ctx, grad_output, input, weight, mean, var, scale, sum_dy, sum_dy_xhat
+            )
+        grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None
+        grad_bias = sum_dy.to(ctx.param_dtype) if need_bias else None
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
 
 
-def _sync_grad_input(ctx, grad_output, input, mean, var, scale, sum_dy, sum_dy_xhat) -> Tensor:
+def _sync_grad_input(ctx, grad_output, input, weight, mean, var, scale, sum_dy, sum_dy_xhat) -> Tensor:
     """dx = scale * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all participants."""
     tag = ctx.counter.next_tag(BACKWARD)
     payload = _moments.pack((sum_dy, sum_dy_xhat), 0, tag, failed=False)
@@ -135,4 +141,9 @@ def _sync_grad_input(ctx, grad_output, input, mean, var, scale, sum_dy, sum_dy_x
     # The x_hat-dependent part and the constant in one fused eval-mode batch-norm pass, then + scale * dy.
     shift, slope = ((sums / -ctx.count).to(scale.dtype) * scale).unbind()
     grad_input = torch.batch_norm(input, slope, shift, mean, var, False, 0.0, ctx.eps, False)
-    return grad_input.addcmul_(grad_output, _moments.per_channel(scale, input.dim()))
+    if grad_output.dtype == scale.dtype:
+        return grad_input.addcmul_(grad_output, _moments.per_channel(scale, input.dim()))
+    # Half inputs with float32 statistics: a mixed-dtype addcmul_ would make float32 copies of the whole
+    # activation; mixed-precision eval-mode batch norm of dy computes weight / std * dy without any.
+    zero = torch.zeros_like(mean)
+    return grad_input.add_(torch.batch_norm(grad_output, weight, None, zero, var, False, 0.0, ctx.eps, False))

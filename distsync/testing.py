@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_threads", "run_world", "WorkerFailed"]
+__all__ = ["allocations", "free_port", "run_threads", "run_world", "WorkerFailed"]
 
 
 class WorkerFailed(RuntimeError):
@@ -114,3 +114,23 @@ def run_threads(
         thread.join(timeout)
         assert not thread.is_alive(), "a thread hung"
     return results, errors
+
+
+def allocations(fn: Callable[[], Any]) -> list[tuple[int, int]]:
+    """``(time_ns, bytes)`` of every CPU allocation (bytes > 0) and free (bytes < 0) while ``fn()`` runs.
+
+    From the profiler's memory events, in time order: enough to find the largest single allocation (a
+    float32 copy of a half activation shows up as one) or the peak of the bytes held.
+    """
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    nodes, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while nodes:
+        node = nodes.pop()
+        nodes.extend(node.children)
+        if node.typed[0] == _EventType.Allocation:
+            events.append((node.start_time_ns, node.typed[1].alloc_size))
+    return sorted(events)

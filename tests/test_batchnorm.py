@@ -9,7 +9,7 @@ from torch import nn
 
 import distsync
 from distsync.check import Case, default_cases, run_case, tolerance
-from distsync.testing import run_world
+from distsync.testing import allocations, run_world
 
 
 def random_cases(world_size: int, count: int, seed: int) -> list[Case]:
@@ -19,15 +19,15 @@ def random_cases(world_size: int, count: int, seed: int) -> list[Case]:
     for _ in range(count):
         spatial = tuple(rng.randint(1, 4) for _ in range(rng.choice([0, 1, 2, 3])))
         sizes = tuple(rng.choice([0, 1, 2, 3, 5]) for _ in range(world_size))
+        dtype = rng.choice([torch.float32, torch.float32, torch.float64, torch.float16, torch.bfloat16])
+        half = dtype in (torch.float16, torch.bfloat16)
         if sum(sizes) * max(1, torch.Size(spatial).numel()) < 2:
             sizes = (2, *sizes[1:])
         cases.append(
             Case(
                 sizes,
                 shape=(rng.randint(1, 6), *spatial),
-                dtype=rng.choice(
-                    [torch.float32, torch.float32, torch.float64, torch.float16, torch.bfloat16]
-                ),
+                dtype=dtype,
                 channels_last=len(spatial) in (2, 3) and rng.random() < 0.3,
                 momentum=rng.choice([0.1, 0.5, None]),
                 affine=rng.random() < 0.7,
@@ -35,6 +35,7 @@ def random_cases(world_size: int, count: int, seed: int) -> list[Case]:
                 generic_class=rng.random() < 0.3,
                 offset=rng.choice([0.0, 0.0, 3.0]),
                 steps=2,
+                param_dtype=dtype if half and rng.random() < 0.5 else None,  # a half model or autocast
             )
         )
     return cases
@@ -162,3 +163,25 @@ def test_autocast_bf16_keeps_output_dtype_with_float32_statistics():
     for dtype, error, stats_dtype in run_world(_autocast_bf16, 2):
         assert dtype == torch.bfloat16 and stats_dtype == torch.float32
         assert error < 0.05  # bf16 output rounding on values of size ~3
+
+
+def _largest_allocation(rank, world_size):
+    """Per half dtype: the largest single allocation of a synced fwd+bwd, in activations' worth of bytes."""
+    largest = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        layer = distsync.DistSyncBatchNorm2d(16)  # float32 parameters and statistics, as under autocast
+        x = torch.randn(8, 16, 16, 16, dtype=dtype, requires_grad=True)
+        grad = torch.randn_like(x)
+
+        def step(layer=layer, x=x, grad=grad):
+            layer(x).backward(grad)
+
+        step()
+        largest[str(dtype)] = max(size for _, size in allocations(step)) / (x.numel() * x.element_size())
+    return largest
+
+
+def test_half_inputs_make_no_float32_copy_of_the_activation():
+    for largest in run_world(_largest_allocation, 2):
+        for dtype, ratio in largest.items():
+            assert ratio < 2, f"{dtype}: one allocation of {ratio:.2f}x the activation (a float32 copy is 2x)"
