@@ -99,9 +99,8 @@ def pack(sums: tuple[Tensor, Tensor], count: int, tag: CallTag, failed: bool) ->
     """The float64 payload of one sync call from its two per-channel sums (see the module docstring)."""
     ident = (tag.layer_id, tag.direction, tag.call % _CALL_MODULUS)
     tail = (float(count), float(failed), *ident, *(v * v for v in ident))
-    return torch.cat(
-        [*sums, torch.tensor(tail, dtype=torch.float64, device=sums[0].device)]
-    )  # promotes to f64
+    # cat promotes float32 sums to the tail's float64.
+    return torch.cat([*sums, torch.tensor(tail, dtype=torch.float64, device=sums[0].device)])
 
 
 def forward_payload(
