@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 
@@ -118,11 +119,10 @@ def half_memory(shape: Shape, dtype: torch.dtype = torch.bfloat16) -> dict:
     result = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
     for name in ("sync_nocomm", "local"):
         variants[name]()
-        events = allocations(variants[name])
-        held = torch.tensor([size for _, size in events], dtype=torch.float64).cumsum(0)
+        sizes = [size for _, size in allocations(variants[name])]
         result[name] = {
-            "largest_allocation": max(size for _, size in events) / activation,
-            "peak": held.max().item() / activation,
+            "largest_allocation": max(sizes) / activation,
+            "peak": max(itertools.accumulate(sizes)) / activation,
         }
     return result
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -91,12 +92,7 @@ def _peak_bytes(step: Callable[[], None]) -> int:
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    events = allocations(step)
-    current = peak = 0
-    for _, size in events:
-        current += size
-        peak = max(peak, current)
-    return peak
+    return max(itertools.accumulate((size for _, size in allocations(step)), initial=0))
 
 
 def _saved_bytes(step: Callable[[], None]) -> int:
