@@ -16,6 +16,7 @@ import datetime
 import os
 import socket
 import sys
+import time
 import uuid
 
 from hydra.core.config_store import ConfigStore
@@ -70,6 +71,10 @@ def _fail(message: str, error: BaseException | None = None) -> None:
 
 # ----------------------------------------------------------------------------------------- external torchrun
 
+# How long other ranks wait for rank 0 to report an error that every rank detected; torchrun stops them
+# as soon as rank 0 exits.
+_WAIT_FOR_RANK0_S = 60.0
+
 
 def prepare_argv(argv: list[str] | None = None) -> None:
     """Adjust Hydra's command line in a worker of an external ``torchrun``; a no-op otherwise.
@@ -84,7 +89,9 @@ def prepare_argv(argv: list[str] | None = None) -> None:
         return
     if any(arg in ("-m", "--multirun") or arg.startswith("hydra.mode=") for arg in argv[1:]):
         if int(os.environ.get("RANK", "0")) != 0:
-            raise SystemExit(1)  # rank 0 says why
+            # Rank 0 says why. Exiting first would let torchrun stop rank 0 before it does.
+            time.sleep(_WAIT_FOR_RANK0_S)
+            raise SystemExit(1)
         _fail(
             "-m/--multirun cannot run under an external torchrun: every sweep job starts its own torchrun "
             "world. Run the sweep without torchrun: python launch/train.py -m ..."
