@@ -1,5 +1,6 @@
 """distsync: synchronized batch norm and data-parallel tools natively on ``torch.distributed``."""
 
+from ._health import check_sync
 from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
 from .convert import BatchNormNd, convert_sync_batchnorm, revert_sync_batchnorm
 from .distributed import init_distributed
@@ -17,6 +18,7 @@ __all__ = [
     "DistSyncBatchNorm3d",
     "SyncError",
     "SyncMismatchError",
+    "check_sync",
     "convert_sync_batchnorm",
     "init_distributed",
     "revert_sync_batchnorm",

@@ -1,15 +1,20 @@
-"""The moment arithmetic of synchronized batch norm, shared by every transport.
+"""The moment arithmetic of synchronized batch norm, shared by every device and transport.
 
 A sync payload is one float64 vector per call, the same length in forward and backward so that a rank in
 the wrong direction meets a well-formed reduction instead of a size mismatch::
 
-    [ first (C) | second (C) | count | failed | layer, direction, call | layer^2, direction^2, call^2 ]
+    [ first (C) | second (C) | second again (C) | tail (TAIL) ]
 
-Forward sends ``first = sum(x)`` and ``second = sum(x^2)``, both computed from a shifted input so that
-nothing cancels (see :class:`LocalMoments`); backward sends ``first = sum(dy)`` and
-``second = sum(dy * x_hat)``. The call identity is folded into the sum: after a SUM over W ranks,
-``(sum t)^2 == W * sum(t^2)`` holds for every identity field iff all ranks sent the same value, so every
-rank reaches the same verdict from the same reduced numbers.
+Forward sends ``first = n (m - K)`` and ``second = n (v + (m - K)^2)`` from this rank's ``n`` values per
+channel, their mean ``m`` and biased variance ``v``, around a shift ``K`` that every rank shares (the
+previous global mean where accuracy needs it, else zero), so the merge ``E[(x-K)^2] - E[x-K]^2`` cancels
+only what ``|mean - K|`` makes it cancel. The second block is sent twice so that one division gives the
+mean, the biased and the unbiased variance. Backward sends the local sums of its gradient formula.
+
+The tail (see :mod:`distsync._identity`) carries the count, a rejected-input flag and the call identity
+folded so that every rank reaches the same verdict from the same reduced numbers without reading them:
+:func:`running_stat_weight` turns the verdict into the weight of the running-statistics update on the
+device, and :func:`verdict` decodes it on the host when the numbers are read.
 """
 
 from __future__ import annotations
@@ -19,26 +24,26 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ._identity import (
+    CALL,
+    COUNT,
+    DIRECTION,
+    FAILED,
+    GUARD,
+    IDENTITY,
+    LAYER,
+    SQUARES,
+    TAIL,
+    CallTag,
+)
 from .errors import SyncError, SyncMismatchError
 
-FORWARD, BACKWARD = 0, 1
-_DIRECTIONS = ("forward", "backward")
-_TAIL = 8  # count, failed, 3 identity fields, their 3 squares
-_CALL_MODULUS = 1 << 20  # keeps call^2 * W exact in float64 for W up to 2^12
 
+class Stats(NamedTuple):
+    """Global statistics of one forward sync, as float64 rows of one ``(3, C)`` tensor."""
 
-class CallTag(NamedTuple):
-    """Which layer, direction and call of that layer a payload belongs to (identical on every rank)."""
-
-    layer_id: int
-    direction: int
-    call: int
-    layer_name: str
-
-    def describe(self) -> str:
-        return (
-            f"{self.layer_name} (layer id {self.layer_id}), {_DIRECTIONS[self.direction]} call #{self.call}"
-        )
+    rows: Tensor  # mean - offset, biased variance, unbiased variance
+    count: Tensor  # (1,) float64 view of the global count, on the device
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -46,106 +51,94 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-class LocalMoments(NamedTuple):
-    """This rank's contribution to the forward payload, and its input shifted per channel.
+def payload_size(num_channels: int) -> int:
+    return 3 * num_channels + TAIL
 
-    ``sums`` holds ``sum(x)`` and ``sum(x^2)`` per channel in float64, computed as sums of the shifted
-    input ``x - shift`` so that no large terms cancel. Normalizing ``shifted`` with ``mean - shift``
-    also keeps the output accurate when the mean is far from zero (``x * a + b`` with large ``x`` would
-    round it away). The shift is one sample's values for float32/float64 inputs, zero for half inputs.
+
+def pack_moments(mean: Tensor, var: Tensor, base: Tensor | None, count: int, row: Tensor) -> Tensor:
+    """Forward payload from this rank's per-channel ``mean`` and biased ``var`` of ``count`` values.
+
+    ``base`` is ``K - origin``: the shared shift in the coordinates ``mean`` is given in (None for 0).
+    ``row`` is the call's tail; its count slot holds 1 and becomes ``count`` here.
     """
-
-    sums: tuple[Tensor, Tensor]  # sum(x), sum(x^2): (C,) float64 each
-    shifted: Tensor
-    shift: Tensor  # (C,) float64
-
-
-def local_moments(input: Tensor) -> LocalMoments:
-    """Per-channel ``sum(x)`` and ``sum(x^2)`` of this rank's batch, accurate for any mean."""
-    num_channels = input.shape[1]
-    count = input.numel() // num_channels if num_channels else 0
-    if count == 0:
-        no_shift = torch.zeros(num_channels, dtype=torch.float64, device=input.device)
-        return LocalMoments((no_shift, no_shift), input, no_shift)
-    if input.dtype in (torch.float16, torch.bfloat16):
-        # Mean and biased variance straight from the half input, accumulated in float32 with no float32
-        # copy of it and no output written: float32 running buffers select the mixed-precision kernel, and
-        # with momentum 1 they are scratch space.
-        scratch_mean, scratch_var = torch.zeros(2, num_channels, device=input.device).unbind()
-        mean, var = torch.batch_norm_update_stats(input, scratch_mean, scratch_var, 1.0)
-        mean, var = torch.stack([mean, var]).double().unbind()
-        sum_x = mean * count
-        return LocalMoments((sum_x, torch.addcmul(var * count, sum_x, mean)), input, torch.zeros_like(sum_x))
-    # Any in-batch value is within a few standard deviations of the mean: shift by the first sample's,
-    # a view that costs no pass over the data.
-    shift = input[(0, slice(None), *[0] * (input.dim() - 2))]
-    shifted = input - per_channel(shift, input.dim())
-    # sum(s) and sum(s * (x - shift)) = sum(s^2) in one pass: exactly what eval-mode BN backward reduces.
-    _, sum_sq, sum_shifted = torch.ops.aten.native_batch_norm_backward(
-        shifted, input, None, shift, torch.ones_like(shift), None, None, False, 0.0, [False, True, True]
-    )
-    sum_shifted, sum_sq, shift = torch.stack([sum_shifted, sum_sq, shift]).double().unbind()
-    sum_x = torch.add(sum_shifted, shift, alpha=count)
-    sum_x2 = torch.addcmul(sum_sq, shift, sum_x + sum_shifted)  # sum (shift + s)^2
-    return LocalMoments((sum_x, sum_x2), shifted, shift)
+    d = mean.double() if base is None else torch.sub(mean, base)  # float64 either way
+    q = torch.addcmul(var, d, d)
+    payload = torch.cat([d, q, q, row])
+    payload[: 3 * d.numel() + 1].mul_(count)
+    return payload
 
 
-def per_channel(values: Tensor, ndim: int) -> Tensor:
-    """View a (C,) tensor so that it broadcasts over an (N, C, *) input of ``ndim`` dimensions."""
-    return values.view(1, -1, *([1] * (ndim - 2)))
+def pack_sums(first: Tensor, second: Tensor, row: Tensor) -> Tensor:
+    """Backward (or empty-input) payload from two per-channel sums; ``cat`` promotes them to float64."""
+    return torch.cat([first, second, second, row])
 
 
-def pack(sums: tuple[Tensor, Tensor], count: int, tag: CallTag, failed: bool) -> Tensor:
-    """The float64 payload of one sync call from its two per-channel sums (see the module docstring)."""
-    ident = (tag.layer_id, tag.direction, tag.call % _CALL_MODULUS)
-    tail = (float(count), float(failed), *ident, *(v * v for v in ident))
-    # cat promotes float32 sums to the tail's float64.
-    return torch.cat([*sums, torch.tensor(tail, dtype=torch.float64, device=sums[0].device)])
+def merge(payload: Tensor, scratch: dict) -> Stats:
+    """Global mean (relative to the shared shift), biased and unbiased variance from a reduced payload.
 
-
-def forward_payload(
-    input: Tensor | None, num_channels: int, device: torch.device, tag: CallTag
-) -> tuple[Tensor, LocalMoments | None]:
-    """Payload of moment sums for ``input`` and its local moments; ``None`` marks a rejected input."""
-    if input is None:
-        zeros = torch.zeros(num_channels, dtype=torch.float64, device=device)
-        return pack((zeros, zeros), 0, tag, failed=True), None
-    local = local_moments(input)
-    return pack(local.sums, input.numel() // max(num_channels, 1), tag, failed=False), local
-
-
-def unpack(payload: Tensor, world_size: int, tag: CallTag, problem: str | None) -> tuple[int, Tensor]:
-    """Check a reduced payload and split it into the global count and the (2, C) reduced sums.
-
-    Raises the same error on every rank: :class:`SyncMismatchError` when ranks sent different call tags,
-    ``ValueError`` on a rank whose own input was rejected and :class:`SyncError` on the others.
+    In place on the payload. The shifted sums are exact to float64 rounding, so ``E[(x-K)^2] - E[x-K]^2``
+    loses ``log10((mean - K)^2 / var)`` of float64's 16 digits. ``scratch`` caches a per-device constant.
     """
-    num_channels = (payload.numel() - _TAIL) // 2
-    count, failed, *ident = payload[2 * num_channels :].tolist()
-    sums, squares = ident[:3], ident[3:]
-    disagreeing = [
-        name
-        for name, s, sq in zip(("layer", "direction", "call count"), sums, squares, strict=True)
+    c = (payload.numel() - TAIL) // 3
+    count = payload[3 * c + COUNT : 3 * c + COUNT + 1]
+    first, seconds = payload[:c], payload[c : 3 * c].view(2, c)
+    seconds.addcmul_(first, first / count, value=-1).clamp_min_(0.0)  # sum of squared deviations
+    key = ("den", payload.device)
+    den = scratch.get(key)  # [0, 0, 1]: subtracted from the count to divide by (N, N, N - 1)
+    if den is None:  # built on the device: no host-to-device copy
+        den = scratch[key] = torch.arange(3, dtype=torch.float64, device=payload.device).sub_(1).clamp_(0)
+    rows = payload[: 3 * c].view(3, c) / (count - den).unsqueeze(1)
+    return Stats(rows, count)
+
+
+def running_stat_weight(payload: Tensor, momentum: float | None, out: Tensor, batches: Tensor | None) -> None:
+    """Write into ``out`` the weight of this call's running-statistics update, 0 if the call was bad.
+
+    The guard slot reduces to ``1 - failed - W sum(t^2)`` and ``sum_t (sum t)^2`` is added to it: the
+    result is 1 when all ranks sent the same identity and none failed, else at most 0 (Cauchy-Schwarz).
+    """
+    c = (payload.numel() - TAIL) // 3
+    tail = payload[3 * c :]
+    ident = tail[IDENTITY]
+    healthy = torch.addmv(tail[GUARD : GUARD + 1], ident.view(1, -1), ident)
+    healthy.clamp_(0.0, 1.0)
+    if momentum is not None:
+        torch.mul(healthy, momentum, out=out)
+    else:  # cumulative average: weight 1 / num_batches_tracked
+        torch.div(healthy, batches, out=out)
+
+
+class Verdict(NamedTuple):
+    count: int
+    failed: int
+    disagreeing: tuple[str, ...]
+
+
+def verdict(tail: list[float], world_size: int) -> Verdict:
+    """What the reduced ``tail`` says about its call (host values, identical on every rank)."""
+    ident, squares = tail[IDENTITY], tail[SQUARES]
+    names = {LAYER: "layer", DIRECTION: "direction", CALL: "call count"}
+    disagreeing = tuple(
+        names[IDENTITY.start + i]
+        for i, (s, sq) in enumerate(zip(ident, squares, strict=True))
         if s * s != world_size * sq
-    ]
-    if disagreeing:
+    )
+    return Verdict(int(tail[COUNT]), int(tail[FAILED]), disagreeing)
+
+
+def raise_for(result: Verdict, tag: CallTag, world_size: int, problem: str | None, training: bool) -> None:
+    """Raise the error ``result`` calls for at ``tag``: the same on every rank but the one that failed."""
+    if result.disagreeing:
         raise SyncMismatchError(
-            f"ranks are out of step at {tag.describe()}: the {world_size} ranks disagree on "
-            f"{', '.join(disagreeing)}. Every rank must call the same synchronized BN layers in the same "
-            "order and the same number of times (check data-dependent branches)."
+            f"ranks are out of step at {tag.describe()}: the {world_size} participants disagree on "
+            f"{', '.join(result.disagreeing)}. Every rank must call the same synchronized BN layers in the "
+            "same order and the same number of times (check data-dependent branches)."
         )
-    if failed:
+    if result.failed:
         if problem is not None:
             raise ValueError(problem)
-        raise SyncError(f"{int(failed)} other rank(s) rejected their input at {tag.describe()}")
-    return int(count), payload[: 2 * num_channels].view(2, num_channels)
-
-
-def merge_moments(count: int, sums: Tensor) -> tuple[Tensor, Tensor]:
-    """Global mean and biased variance (float64) from the reduced ``sum(x)`` and ``sum(x^2)``.
-
-    The sums are exact to float64 rounding (see :class:`LocalMoments`), so ``E[x^2] - E[x]^2`` loses
-    only ``log10(mean^2 / var)`` of float64's 16 digits: 8 for a mean 1e4 times the standard deviation.
-    """
-    mean, mean_sq = (sums / count).unbind()
-    return mean, torch.addcmul(mean_sq, mean, mean, value=-1).clamp_min_(0.0)
+        raise SyncError(f"{result.failed} other participant(s) rejected their input at {tag.describe()}")
+    if training and result.count == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got 1 over all ranks at {tag.describe()}"
+        )

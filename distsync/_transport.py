@@ -12,6 +12,7 @@ class Reducer(Protocol):
     """Sums a tensor over all participants; every participant gets the same result."""
 
     world_size: int
+    first: bool  # exactly one participant is first
 
     def all_reduce(self, payload: Tensor) -> Tensor: ...
 
@@ -22,6 +23,7 @@ class ProcessGroupReducer:
     def __init__(self, process_group: dist.ProcessGroup | None, world_size: int) -> None:
         self.process_group = process_group
         self.world_size = world_size
+        self.first = dist.get_rank(process_group) == 0
 
     def all_reduce(self, payload: Tensor) -> Tensor:
         dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=self.process_group)

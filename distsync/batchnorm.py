@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import warnings
 
 import torch
@@ -11,13 +10,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ._identity import SyncState, layer_hash, module_path
 from ._transport import Reducer, process_group_reducer
-from .functional import SyncBatchNormFunction, SyncCounter
+from .functional import SyncBatchNormFunction
 
 __all__ = ["DistSyncBatchNorm", "DistSyncBatchNorm1d", "DistSyncBatchNorm2d", "DistSyncBatchNorm3d"]
-
-# Construction order numbers layers; every rank builds the same model in the same order, so ids agree.
-_layer_ids = itertools.count()
 
 
 @functools.cache
@@ -45,9 +42,14 @@ class DistSyncBatchNorm(_BatchNorm):
     those of ``nn.BatchNorm*``, so checkpoints load both ways.
 
     Without an initialized process group, or with a group of one rank, it is exactly ``nn.BatchNorm``.
-    Eval mode with running statistics never communicates; whenever batch statistics are used
-    (training, or ``track_running_stats=False``) every rank of the group must call the layer.
-    Ranks that call layers out of step raise :class:`distsync.SyncMismatchError` on every rank.
+    Like ``nn.SyncBatchNorm`` it synchronizes in training mode only: in eval mode each rank uses its
+    running statistics, or with ``track_running_stats=False`` its own batch's statistics, and never
+    communicates. In training mode every rank of the group must call the layer in the same order.
+    Ranks out of step raise :class:`distsync.SyncMismatchError` on every rank; on the CPU at once, on
+    GPUs at a later synchronized call or :func:`distsync.check_sync` (the checks run on the device).
+
+    A layer is identified across ranks by its module path in the model (found when it first syncs)
+    and its width, so processes may build other modules (an EMA copy, a probe) without confusing it.
 
     Args:
         num_features: number of channels :math:`C` of an input of size :math:`(N, C, *)`
@@ -56,7 +58,10 @@ class DistSyncBatchNorm(_BatchNorm):
             average. Default: 0.1
         affine: learnable per-channel scale and shift. Default: ``True``
         track_running_stats: keep running mean and variance for eval mode. Default: ``True``
-        process_group: ranks whose statistics are combined. Default: ``None`` (the default group)
+        process_group: ranks whose statistics are combined. Default: ``None`` (the default group).
+            PyTorch-Encoding's positional form ``DistSyncBatchNorm(C, eps, momentum, process_group)``
+            is accepted too.
+        bias: learnable per-channel shift (with ``affine``). Default: ``True``
 
     Shape:
         - Input: :math:`(N, C, *)`, any rank >= 2, any memory format
@@ -79,11 +84,23 @@ class DistSyncBatchNorm(_BatchNorm):
         process_group: dist.ProcessGroup | None = None,
         device=None,
         dtype=None,
+        *,
+        bias: bool = True,
     ) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        if isinstance(affine, dist.ProcessGroup):  # PyTorch-Encoding: (num_features, eps, momentum, group)
+            affine, process_group = True, affine
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, bias=bias
+        )
         self.process_group = process_group
-        self._sync_counter = SyncCounter(next(_layer_ids), type(self).__name__)
+        self.eps_mode = (
+            "plus"  # "clip": std = sqrt(max(var, eps)) when synchronized, as Synchronized-BatchNorm
+        )
+        self._sync_state = SyncState()
         self._replica_reducer: Reducer | None = None
+
+    def _layer_name(self) -> str:
+        return self._sync_state.layer_name or type(self).__name__
 
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
@@ -93,12 +110,14 @@ class DistSyncBatchNorm(_BatchNorm):
         try:
             self._check_input_dim(input)
         except ValueError as error:
-            return f"{self._sync_counter.layer_name}: {error}"
+            return f"{self._layer_name()}: {error}"
         if input.shape[1] != self.num_features:
             return (
-                f"{self._sync_counter.layer_name}: expected {self.num_features} channels in dimension 1, "
+                f"{self._layer_name()}: expected {self.num_features} channels in dimension 1, "
                 f"got input of size {list(input.shape)}"
             )
+        if not input.is_floating_point():
+            return f"{self._layer_name()}: expected a floating-point input, got {input.dtype}"
         return None
 
     # DataParallel copies other than copy 0 hold copies of the buffers: only copy 0 updates running stats.
@@ -114,7 +133,7 @@ class DistSyncBatchNorm(_BatchNorm):
         """
         from .parallel.transport import replica_reducer  # lazy: distsync.parallel imports this module
 
-        self._sync_counter = self._sync_counter.fresh_copy()
+        self._sync_state = self._sync_state.fresh_copy()
         self._replica_reducer = replica_reducer(ctx, copy_id, self.process_group)
         self._updates_running_stats = copy_id == 0
 
@@ -128,15 +147,23 @@ class DistSyncBatchNorm(_BatchNorm):
         return process_group_reducer(self.process_group)
 
     def forward(self, input: Tensor) -> Tensor:
-        uses_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
-        reducer = self._reducer() if uses_batch_stats else None
+        reducer = self._reducer() if self.training else None
         if reducer is None:
             return super().forward(input)
         return self._sync_forward(input, reducer)
 
     @torch.compiler.disable
     def _sync_forward(self, input: Tensor, reducer: Reducer) -> Tensor:
-        update_running = self.training and self.track_running_stats and self._updates_running_stats
+        if not self.eps > 0:  # what F.batch_norm checks in training; the same on every rank
+            raise ValueError(
+                f"{self._layer_name()}: batch_norm eps must be positive during training, got {self.eps}"
+            )
+        state = self._sync_state
+        if state.identity is None:
+            path = module_path(self)
+            state.identity = layer_hash(path, self.num_features)
+            state.layer_name = f"'{path}' ({type(self).__name__})" if path else type(self).__name__
+        update_running = self.track_running_stats and self._updates_running_stats
         return SyncBatchNormFunction.apply(
             input,
             self.weight,
@@ -146,9 +173,10 @@ class DistSyncBatchNorm(_BatchNorm):
             self.num_batches_tracked if update_running else None,
             self.momentum,
             self.eps,
+            self.eps_mode == "clip",
             self.num_features,
             reducer,
-            self._sync_counter,
+            state,
             self._input_problem(input),
         )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 import torch
@@ -111,9 +112,14 @@ def run_case(case: Case, rank: int, seed: int = 0, device: str = "cpu") -> dict[
         global_x = torch.randn(sum(case.sizes), *case.shape, generator=gen, dtype=torch.float64)
         global_x = ((global_x + case.offset) * scale.view(1, -1, *[1] * (ndim - 2))).to(case.dtype)
         global_dy = torch.randn(global_x.shape, generator=gen, dtype=torch.float64).to(case.dtype)
-        ref_x = global_x.to(torch.float64, copy=True).requires_grad_()
+        # Like nn.SyncBatchNorm, eval without running statistics normalizes each rank's own batch.
+        own_batch = not training and not case.track_running_stats
+        if own_batch and case.sizes[rank] * math.prod(case.shape[1:]) <= 1:
+            break  # one value per channel: nn.BatchNorm refuses it, and so does the layer
+        ref_rows, ref_local = (local, slice(None)) if own_batch else (slice(None), local)
+        ref_x = global_x[ref_rows].to(torch.float64, copy=True).requires_grad_()
         ref_out = reference(ref_x)
-        ref_out.backward(global_dy.double())
+        ref_out.backward(global_dy[ref_rows].double())
         x = global_x[local].to(device, copy=True)
         memory_format = torch.contiguous_format
         if case.channels_last and ndim in (4, 5):
@@ -126,12 +132,13 @@ def run_case(case: Case, rank: int, seed: int = 0, device: str = "cpu") -> dict[
             raise AssertionError(
                 f"output {out.dtype} {out.stride()} differs from input {x.dtype} {x.stride()}"
             )
-        record("output", out.detach(), ref_out.detach()[local])
-        record("input grad", x.grad, ref_x.grad[local])
+        record("output", out.detach(), ref_out.detach()[ref_local])
+        record("input grad", x.grad, ref_x.grad[ref_local])
         if case.affine:
             for name in ("weight", "bias"):
                 summed = getattr(layer, name).grad.clone()
-                dist.all_reduce(summed)
+                if not own_batch:
+                    dist.all_reduce(summed)
                 record(f"{name} grad", summed, getattr(reference, name).grad)
                 getattr(layer, name).grad = None
                 getattr(reference, name).grad = None

@@ -43,6 +43,7 @@ def _swap(module: _BatchNorm, new_cls: type[_BatchNorm], **extra) -> _BatchNorm:
         module.momentum,
         module.affine,
         module.track_running_stats,
+        bias=not module.affine or module.bias is not None,
         **extra,
         **factory,
     )
@@ -80,22 +81,12 @@ def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup |
     """
     new_cls = _match(module, _TO_SYNC) if not isinstance(module, DistSyncBatchNorm) else None
     if new_cls is not None and not isinstance(module, nn.modules.lazy.LazyModuleMixin):
-        converted = _swap(module, new_cls, process_group=process_group)
-        converted._sync_counter.layer_name = f"{new_cls.__name__}({module.num_features})"
-        return converted
+        return _swap(module, new_cls, process_group=process_group)
     for name, child in module.named_children():
         converted = convert_sync_batchnorm(child, process_group)
         if converted is not child:
             module.add_module(name, converted)
-    _name_sync_layers(module)
     return module
-
-
-def _name_sync_layers(module: nn.Module) -> None:
-    """Name layers by their path in the tree, for error messages that point at the right place."""
-    for path, layer in module.named_modules():
-        if isinstance(layer, DistSyncBatchNorm) and path:
-            layer._sync_counter.layer_name = f"'{path}' ({type(layer).__name__})"
 
 
 def revert_sync_batchnorm(module: nn.Module) -> nn.Module:

@@ -4,56 +4,68 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
-from . import _moments
-from ._moments import BACKWARD, FORWARD, CallTag
+from . import _health, _moments
+from ._identity import BACKWARD, COUNT, FORWARD, CallTag, SyncState, failed_row
+from ._kernels import kernels_for
 from ._transport import Reducer
+from .errors import SyncError
+
+__all__ = ["SyncBatchNormFunction"]
 
 
-class SyncCounter:
-    """Identity of one synchronized layer and how often each direction has synced (for desync checks)."""
+def _all_reduce(reducer: Reducer, payload: Tensor, tag: CallTag) -> None:
+    try:
+        reducer.all_reduce(payload)
+    except SyncError:
+        raise
+    except RuntimeError as error:  # a dead peer, a timeout: say which layer and call was waiting
+        raise SyncError(f"the all-reduce of {tag.describe()} failed: {error}") from error
 
-    def __init__(self, layer_id: int, layer_name: str) -> None:
-        self.layer_id = layer_id
-        self.layer_name = layer_name
-        self.calls = [0, 0]
 
-    def next_tag(self, direction: int) -> CallTag:
-        call = self.calls[direction]
-        self.calls[direction] = call + 1
-        return CallTag(self.layer_id, direction, call, self.layer_name)
-
-    def fresh_copy(self) -> SyncCounter:
-        """Same identity, own counts (for a replica that syncs independently of the original)."""
-        copy = SyncCounter(self.layer_id, self.layer_name)
-        copy.calls = list(self.calls)
-        return copy
+def _check(payload: Tensor, tag: CallTag, world_size: int, problem: str | None, training: bool) -> None:
+    """Raise now on the CPU, where the reduced values cost nothing to read; elsewhere defer the check."""
+    tail = payload[payload.numel() - _moments.TAIL :]
+    if payload.device.type == "cpu":
+        _moments.raise_for(_moments.verdict(tail.tolist(), world_size), tag, world_size, problem, training)
+        return
+    _health.defer(tail, tag, world_size, problem, training)
+    if problem is not None:  # this rank knows already; the others learn it from the reduced flag
+        raise ValueError(problem)
 
 
 def _update_running_stats(
-    running_mean: Tensor,
-    running_var: Tensor,
-    num_batches_tracked: Tensor | None,
-    momentum: float | None,
-    mean: Tensor,
-    unbiased_var: Tensor,
+    state: SyncState, buffers, momentum, payload: Tensor, ends, guard_count: bool
 ) -> None:
+    """Move the running statistics towards this call's, by a weight that is 0 for a bad call."""
+    running_mean, running_var, num_batches_tracked = buffers
     if num_batches_tracked is not None:
         num_batches_tracked.add_(1)
-    if momentum is None:  # cumulative moving average
-        factor = num_batches_tracked.double().reciprocal().to(running_mean.dtype)
-    else:
-        factor = momentum
-    dtype = running_mean.dtype
-    torch._foreach_lerp_([running_mean, running_var], [mean.to(dtype), unbiased_var.to(dtype)], factor)
+    dtype = torch.float32 if running_mean.dtype in (torch.float16, torch.bfloat16) else running_mean.dtype
+    key = ("weight", running_mean.device, dtype)
+    weight = state.scratch.get(key)
+    if weight is None:
+        weight = state.scratch[key] = torch.zeros(1, dtype=dtype, device=running_mean.device)
+    _moments.running_stat_weight(payload, momentum, weight, num_batches_tracked)
+    mean, var = (end.to(dtype) for end in ends)
+    if guard_count:  # some rank may have had 0 or 1 value: statistics may be NaN, keep the old ones then
+        enough = payload[payload.numel() - _moments.TAIL + COUNT] > 1
+        mean = torch.where(enough, mean, running_mean.to(dtype))
+        var = torch.where(enough, var, running_var.to(dtype))
+    for buffer, end in ((running_mean, mean), (running_var, var)):
+        if buffer.dtype == dtype:
+            buffer.lerp_(end, weight)
+        else:  # half buffers: update in float32, where 1 / num_batches_tracked does not underflow
+            buffer.copy_(torch.lerp(buffer.to(dtype), end, weight))
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
     """Batch norm whose statistics are those of the union of all participants' batches.
 
-    Forward reduces per-channel count, ``sum(x)`` and ``sum(x^2)`` (float64, from shifted inputs so
-    nothing cancels); backward reduces ``sum(dy)`` and ``sum(dy * x_hat)``. Weight and bias gradients
-    stay local, like ``nn.SyncBatchNorm``: DistributedDataParallel averages them.
+    Forward reduces per-channel count, mean and variance as shifted moment sums (float64); backward reduces
+    the two per-channel sums of the gradient formula. Weight and bias gradients stay local, like
+    ``nn.SyncBatchNorm``: DistributedDataParallel averages them. Not twice differentiable.
     """
 
     @staticmethod
@@ -67,83 +79,107 @@ class SyncBatchNormFunction(torch.autograd.Function):
         num_batches_tracked: Tensor | None,
         momentum: float | None,
         eps: float,
+        clip: bool,
         num_features: int,
         reducer: Reducer,
-        counter: SyncCounter,
+        state: SyncState,
         problem: str | None,
     ) -> Tensor:
-        tag = counter.next_tag(FORWARD)
-        payload, local = _moments.forward_payload(None if problem else input, num_features, input.device, tag)
-        reducer.all_reduce(payload)
-        count, sums = _moments.unpack(payload, reducer.world_size, tag, problem)
-        if count <= 1:
-            raise ValueError(
-                f"Expected more than 1 value per channel when training, got {count} over all ranks "
-                f"(input size on this rank {list(input.shape)}) at {tag.describe()}"
+        tag = state.next_tag(FORWARD)
+        kernels = kernels_for(input.device)
+        row = state.tail(tag, reducer.world_size, reducer.first, input.device)
+        count = 0 if problem else input.numel() // max(num_features, 1)
+        keeps_shift = _keeps_shift(input)
+        if state.shift is not None and state.shift.device != input.device:
+            state.shift = None  # the layer moved: start again from zero
+        local = None
+        if problem is not None:
+            zeros = row.new_zeros(num_features)
+            payload = _moments.pack_sums(zeros, zeros, failed_row(row))
+        elif count == 0:
+            zeros = row.new_zeros(num_features)
+            payload = _moments.pack_moments(zeros, zeros, None, 0, row)
+        else:
+            local = kernels.local(input)
+            payload = _moments.pack_moments(
+                local.mean, local.var, _base(state, local, keeps_shift), count, row
             )
-        mean, var = _moments.merge_moments(count, sums)
-        update_running = running_mean is not None and running_var is not None
-        # The input was shifted per channel (see LocalMoments): normalize it with the mean shifted alike.
-        rows = (
-            [mean - local.shift, var, mean, var * (count / (count - 1))]
-            if update_running
-            else [mean - local.shift, var]
-        )
-        stats_dtype = _moments.stat_dtype(input.dtype)
-        shifted_mean, var, *running_update = torch.stack(rows).to(stats_dtype).unbind()
+        _all_reduce(reducer, payload, tag)
+        _check(payload, tag, reducer.world_size, problem, training=True)
+        stats = _moments.merge(payload, state.scratch)
+        rows = stats.rows  # mean - shift, biased and unbiased variance (float64)
+        if keeps_shift:
+            if state.shift is not None:
+                rows[0].add_(state.shift)
+            state.shift = rows[0].clone()
+        normalized = None if local is None else kernels.normalize(local, weight, bias, rows, eps, clip)
+        if running_mean is not None and running_var is not None:
+            ends = (rows[0], rows[2]) if normalized is None else normalized.running
+            buffers = (running_mean, running_var, num_batches_tracked)
+            _update_running_stats(state, buffers, momentum, payload, ends, guard_count=count <= 1)
         ctx.param_dtype = None if weight is None else weight.dtype
-        if weight is not None and weight.dtype != stats_dtype:  # e.g. model.half(): normalize in float32
-            weight, bias = weight.to(stats_dtype), bias.to(stats_dtype)
-        if update_running:
-            _update_running_stats(running_mean, running_var, num_batches_tracked, momentum, *running_update)
-        invstd = (var + eps).rsqrt_()
-        output = torch.batch_norm(
-            local.shifted, weight, bias, shifted_mean, var, False, 0.0, eps, torch.backends.cudnn.enabled
-        )
-        scale = invstd if weight is None else invstd * weight  # weight / std, what backward scales dy by
-        ctx.save_for_backward(local.shifted, weight, shifted_mean, var, scale)
-        ctx.eps = eps
-        ctx.count = count
-        ctx.reducer = reducer
-        ctx.counter = counter
-        return output
+        ctx.num_features = num_features
+        ctx.reducer, ctx.state, ctx.kernels = reducer, state, kernels
+        if normalized is None:  # nothing on this rank: an empty output; backward sends zeros
+            ctx.empty = True
+            return torch.empty_like(input)
+        ctx.empty = False
+        ctx.eps = normalized.eps
+        ctx.save_for_backward(local.z, weight, stats.count, *normalized.saved)
+        return normalized.output
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_output: Tensor):
-        # ``input`` is the forward input shifted per channel, ``mean`` the global mean shifted alike.
-        input, weight, mean, var, scale = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        if input.numel():
-            _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward.default(
-                grad_output, input, None, mean, var, None, None, False, ctx.eps, [False, True, True]
-            )
-        else:
-            sum_dy_xhat = torch.zeros_like(mean)
-            sum_dy = torch.zeros_like(mean)
+        nones = (None,) * 10
+        if ctx.empty:
+            zeros = torch.zeros(ctx.num_features, dtype=torch.float64, device=grad_output.device)
+            if need_input:
+                _sync_backward(ctx, zeros, zeros)
+            grad_weight = zeros.to(ctx.param_dtype) if need_weight else None
+            grad_bias = zeros.to(ctx.param_dtype) if need_bias else None
+            return torch.empty_like(grad_output) if need_input else None, grad_weight, grad_bias, *nones
+        z, weight, count, *saved = ctx.saved_tensors
+        kernels = ctx.kernels
+        dy = kernels.match_layout(grad_output, z)
+        first, second, grad_weight, grad_bias = kernels.backward_sums(
+            dy, z, saved, weight, need_weight, need_bias, ctx.eps
+        )
         grad_input = None
         if need_input:
-            grad_input = _sync_grad_input(
-                ctx, grad_output, input, weight, mean, var, scale, sum_dy, sum_dy_xhat
-            )
-        grad_weight = sum_dy_xhat.to(ctx.param_dtype) if need_weight else None
-        grad_bias = sum_dy.to(ctx.param_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
+            reduced = _sync_backward(ctx, first, second)
+            grad_input = kernels.grad_input(dy, z, saved, weight, reduced, count, ctx.eps)
+        grad_weight = grad_weight.to(ctx.param_dtype) if need_weight else None
+        grad_bias = grad_bias.to(ctx.param_dtype) if need_bias else None
+        return grad_input, grad_weight, grad_bias, *nones
 
 
-def _sync_grad_input(ctx, grad_output, input, weight, mean, var, scale, sum_dy, sum_dy_xhat) -> Tensor:
-    """dx = scale * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all participants."""
-    tag = ctx.counter.next_tag(BACKWARD)
-    payload = _moments.pack((sum_dy, sum_dy_xhat), 0, tag, failed=False)
-    ctx.reducer.all_reduce(payload)
-    _, sums = _moments.unpack(payload, ctx.reducer.world_size, tag, None)
-    if not input.numel():
-        return torch.empty_like(input)
-    # The x_hat-dependent part and the constant in one fused eval-mode batch-norm pass, then + scale * dy.
-    shift, slope = ((sums / -ctx.count).to(scale.dtype) * scale).unbind()
-    grad_input = torch.batch_norm(input, slope, shift, mean, var, False, 0.0, ctx.eps, False)
-    if grad_output.dtype == scale.dtype:
-        return grad_input.addcmul_(grad_output, _moments.per_channel(scale, input.dim()))
-    # Half inputs with float32 statistics: a mixed-dtype addcmul_ would make float32 copies of the whole
-    # activation; mixed-precision eval-mode batch norm of dy computes weight / std * dy without any.
-    zero = torch.zeros_like(mean)
-    return grad_input.add_(torch.batch_norm(grad_output, weight, None, zero, var, False, 0.0, ctx.eps, False))
+def _sync_backward(ctx, first: Tensor, second: Tensor) -> Tensor:
+    """All-reduce this rank's backward sums; return the reduced (2, C) sums (a view of the payload)."""
+    state, reducer = ctx.state, ctx.reducer
+    tag = state.next_tag(BACKWARD)
+    row = state.tail(tag, reducer.world_size, reducer.first, first.device)
+    payload = _moments.pack_sums(first, second, row)
+    _all_reduce(reducer, payload, tag)
+    _check(payload, tag, reducer.world_size, None, training=False)
+    return payload[: 2 * first.numel()].view(2, -1)
+
+
+def _keeps_shift(input: Tensor) -> bool:
+    """Merge around the previous global mean where the input's precision is worth it (the same on every
+    rank): on the CPU, whose float32/float64 path keeps its accuracy for any mean, and for float64."""
+    if input.dtype in (torch.float16, torch.bfloat16):
+        return False
+    return input.device.type == "cpu" or input.dtype == torch.float64
+
+
+def _base(state: SyncState, local, keeps_shift: bool) -> Tensor | None:
+    """The shared shift in the coordinates of ``local``'s moments: ``K - origin`` (None for zero)."""
+    if not keeps_shift:
+        return None
+    shift = state.shift
+    if local.origin is None:
+        return shift
+    origin = local.origin.double()
+    return -origin if shift is None else shift - origin

@@ -93,8 +93,8 @@ def _count_collectives(rank, world_size):
 
 def test_one_all_reduce_per_direction_and_none_in_eval():
     for train, no_input_grad, evaluation in run_world(_count_collectives, 2):
-        assert train == [(2 * 16 + 8) * 8] * 2  # forward + backward, O(C) float64
-        assert no_input_grad == [(2 * 16 + 8) * 8]
+        assert train == [(3 * 16 + 9) * 8] * 2  # forward + backward, O(C) float64
+        assert no_input_grad == [(3 * 16 + 9) * 8]
         assert evaluation == []
 
 

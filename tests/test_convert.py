@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 import distsync
+from distsync._identity import module_path
 
 
 def _model():
@@ -33,7 +34,7 @@ def test_convert_keeps_objects_flags_and_names():
     assert not model[2][1].training and model[1].training
     assert model[2][1].momentum is None and model[4].eps == 1e-3 and model[4].running_mean is None
     assert model[3].weight is None
-    assert "'2.1'" in model[2][1]._sync_counter.layer_name
+    assert module_path(model[2][1]) == "2.1"
 
 
 def test_convert_keeps_dtype_and_process_group_argument():
@@ -43,13 +44,13 @@ def test_convert_keeps_dtype_and_process_group_argument():
     assert converted.process_group == "group-sentinel"
 
 
-def test_layer_ids_follow_module_order():
-    ids = [
-        m._sync_counter.layer_id
-        for m in distsync.convert_sync_batchnorm(_model()).modules()
-        if isinstance(m, distsync.DistSyncBatchNorm)
-    ]
-    assert ids == sorted(ids) and len(set(ids)) == 4
+def test_layer_paths_are_found_from_inside_the_model_and_after_wrapping():
+    model = distsync.convert_sync_batchnorm(_model())
+    paths = [module_path(m) for m in model.modules() if isinstance(m, distsync.DistSyncBatchNorm)]
+    assert paths == ["1", "2.1", "3", "4"]
+    wrapper = nn.Sequential()
+    wrapper.add_module("module", model)  # what DistributedDataParallel does
+    assert module_path(model[2][1]) == "module.2.1"
 
 
 def test_state_dict_loads_both_ways():

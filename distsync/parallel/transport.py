@@ -56,6 +56,10 @@ class ReplicaReducer:
         self._pipe: SlavePipe | None = None if copy_id == 0 else group.master.register_slave(copy_id)
 
     @property
+    def first(self) -> bool:
+        return self.copy_id == 0 and (self._group.ranks is None or self._group.ranks.first)
+
+    @property
     def world_size(self) -> int:
         ranks = 1 if self._group.ranks is None else self._group.ranks.world_size
         return (self._group.master.nr_slaves + 1) * ranks

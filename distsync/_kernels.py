@@ -1,0 +1,183 @@
+"""The per-device passes over the activation: local statistics, normalization, and the two backward passes.
+
+Both devices feed the same payload (local mean and biased variance per channel, ``_moments``) and read the
+same merged statistics; they differ in the kernels that touch the activation:
+
+* CUDA (and other accelerators) use the ops ``nn.SyncBatchNorm`` uses there, read against PyTorch's
+  ``aten/src/ATen/native/cuda/Normalization.cu``/``.cuh``: the activation is read once for the statistics
+  and once to normalize; backward reads ``dy`` and the input once to reduce and once for ``dx``.
+* The CPU normalizes the input shifted by one sample's values (a materialized copy), because its
+  batch-norm kernels compute ``x * a + b`` and would round away a mean far from zero.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._moments import stat_dtype
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def per_channel(values: Tensor, ndim: int) -> Tensor:
+    """View a (C,) tensor so that it broadcasts over an (N, C, *) input of ``ndim`` dimensions."""
+    return values.view(1, -1, *([1] * (ndim - 2)))
+
+
+class Local(NamedTuple):
+    """This rank's input as it is normalized (``z``), its per-channel mean and biased variance, and the
+    per-channel ``origin`` subtracted from the input to get ``z`` (None for none)."""
+
+    z: Tensor
+    mean: Tensor
+    var: Tensor
+    origin: Tensor | None
+
+
+class Normalized(NamedTuple):
+    output: Tensor
+    saved: tuple[Tensor, ...]  # what backward needs besides z and weight
+    running: tuple[Tensor, Tensor]  # mean and unbiased variance for the running statistics
+    eps: float  # the eps backward uses
+
+
+def _as(tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
+
+
+class CudaKernels:
+    """``batch_norm_update_stats`` / ``batch_norm_elemt`` / ``batch_norm_backward_reduce`` / ``_elemt``."""
+
+    @staticmethod
+    def local(input: Tensor) -> Local:
+        # Normalization.cu: the kernels take contiguous, channels-last or (as TensorIterator) general
+        # strides, but backward_elemt picks its template from dy's layout alone; keep to the two layouts
+        # nn.SyncBatchNorm keeps to, so that input and dy can always be given the same one.
+        if not _dense(input):
+            input = input.contiguous()
+        # batch_norm_update_stats_cuda with no running buffers is batch_norm_mean_var: one Welford pass,
+        # mean and biased variance in the accumulate type (float32 for half inputs).
+        mean, var = torch.batch_norm_update_stats(input, None, None, 0.0)
+        return Local(input, mean, var, None)
+
+    @staticmethod
+    def normalize(local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:
+        dtype = stat_dtype(local.z.dtype)
+        stats = _as(rows, dtype)  # mean, biased var, unbiased var
+        # batch_norm_elemt reads mean and invstd as the accumulate type: float32 for float32 and half
+        # inputs, float64 for float64 (packed_accessor_or_dummy<stat_accscalar_t>).
+        kept = ((stats[1] >= eps).to(dtype),) if clip else ()  # channels whose variance is not clipped
+        invstd = (stats[1].clamp_min_(eps) if clip else stats[1].add_(eps)).rsqrt_()
+        output = torch.batch_norm_elemt(local.z, _as(weight, dtype), _as(bias, dtype), stats[0], invstd, eps)
+        return Normalized(output, (stats[0], invstd, *kept), (stats[0], stats[2]), eps)
+
+    @staticmethod
+    def backward_sums(dy: Tensor, z: Tensor, saved, weight, need_weight: bool, need_bias: bool, eps: float):
+        mean, invstd = saved[:2]
+        # batch_norm_backward_reduce_cuda: mean and invstd of one dtype (TORCH_CHECK); the weight
+        # gradient is allocated from the weight's options, so it is only asked for with a weight.
+        sum_dy, sum_dy_xmu, grad_weight, grad_bias = torch.batch_norm_backward_reduce(
+            dy, z, mean, invstd, _as(weight, mean.dtype), True, need_weight and weight is not None, need_bias
+        )
+        return sum_dy, sum_dy_xmu, grad_weight, grad_bias
+
+    @staticmethod
+    def grad_input(
+        dy: Tensor, z: Tensor, saved, weight, reduced: Tensor, count: Tensor, eps: float
+    ) -> Tensor:
+        mean, invstd = saved[:2]
+        sums = reduced.to(mean.dtype)  # sum_dy, sum_dy_xmu as the accumulate type, like mean and invstd
+        if len(saved) > 2:  # clipped variance: no gradient through it in clipped channels
+            sums[1].mul_(saved[2])
+        # batch_norm_backward_elemt_cuda: `count` is read as int32 (count.data_ptr<int>()) and summed on
+        # the device; the weight is read as the stat type once mean is float32 for half inputs.
+        return torch.batch_norm_backward_elemt(
+            dy, z, mean, invstd, _as(weight, mean.dtype), sums[0], sums[1], count.to(torch.int32)
+        )
+
+    @staticmethod
+    def match_layout(dy: Tensor, z: Tensor) -> Tensor:
+        if z.is_contiguous():
+            return dy.contiguous()
+        return dy.contiguous(memory_format=torch.channels_last_3d if z.dim() == 5 else torch.channels_last)
+
+
+class CpuKernels:
+    """Shifted input, ``batch_norm_update_stats``, eval-mode ``batch_norm`` and its backward."""
+
+    @staticmethod
+    def local(input: Tensor) -> Local:
+        if input.dtype in _HALF:
+            # Mean and biased variance straight from the half input, accumulated in float32 without a
+            # float32 copy of it.
+            mean, var = torch.batch_norm_update_stats(input, None, None, 0.0)
+            return Local(input, mean, var, None)
+        # Any in-batch value is within a few standard deviations of the mean: shift by the first sample's.
+        origin = input[(0, slice(None), *[0] * (input.dim() - 2))]
+        z = input - per_channel(origin, input.dim())
+        mean, var = torch.batch_norm_update_stats(z, None, None, 0.0)
+        return Local(z, mean, var, origin)
+
+    @staticmethod
+    def normalize(local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:
+        dtype = stat_dtype(local.z.dtype)
+        mean = rows[0] if local.origin is None else rows[0] - local.origin
+        var = rows[1].clamp_min(eps) if clip else rows[1]
+        mean, var = torch.stack([mean, var]).to(dtype).unbind()
+        eps_used = 0.0 if clip else eps
+        output = torch.batch_norm(
+            local.z, _as(weight, dtype), _as(bias, dtype), mean, var, False, 0.0, eps_used, False
+        )
+        kept = ((rows[1] >= eps).to(dtype),) if clip else ()
+        return Normalized(output, (mean, var, *kept), (rows[0], rows[2]), eps_used)
+
+    @staticmethod
+    def backward_sums(dy: Tensor, z: Tensor, saved, weight, need_weight: bool, need_bias: bool, eps: float):
+        mean, var = saved[:2]
+        # sum(dy * x_hat) and sum(dy) in one pass: exactly what eval-mode BN backward reduces.
+        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+            dy, z, None, mean, var, None, None, False, eps, [False, True, True]
+        )
+        return sum_dy, sum_dy_xhat, sum_dy_xhat, sum_dy
+
+    @staticmethod
+    def grad_input(
+        dy: Tensor, z: Tensor, saved, weight, reduced: Tensor, count: Tensor, eps: float
+    ) -> Tensor:
+        """dx = scale * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all participants."""
+        mean, var = saved[:2]
+        scale = (var + eps).rsqrt()
+        if weight is not None:
+            scale = scale * weight.to(scale.dtype)
+        coefficients = (reduced / -count).to(scale.dtype) * scale
+        if len(saved) > 2:  # clipped variance: no gradient through it in clipped channels
+            coefficients[1].mul_(saved[3])
+        shift, slope = coefficients.unbind()
+        # The x_hat-dependent part and the constant in one fused eval-mode batch-norm pass, then + scale*dy.
+        grad_input = torch.batch_norm(z, slope, shift, mean, var, False, 0.0, eps, False)
+        if dy.dtype == scale.dtype:
+            return grad_input.addcmul_(dy, per_channel(scale, z.dim()))
+        # Half inputs with float32 statistics: a mixed-dtype addcmul_ would make float32 copies of the whole
+        # activation; mixed-precision eval-mode batch norm of dy computes scale * dy without any.
+        zero = torch.zeros_like(mean)
+        w = None if weight is None else weight.to(scale.dtype)
+        return grad_input.add_(torch.batch_norm(dy, w, None, zero, var, False, 0.0, eps, False))
+
+    @staticmethod
+    def match_layout(dy: Tensor, z: Tensor) -> Tensor:
+        return dy
+
+
+def _dense(tensor: Tensor) -> bool:
+    """Contiguous, or channels-last for a 4D/5D tensor: the layouts the CUDA kernels specialize for."""
+    if tensor.is_contiguous():
+        return True
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    return tensor.dim() in formats and tensor.is_contiguous(memory_format=formats[tensor.dim()])
+
+
+def kernels_for(device: torch.device) -> type[CudaKernels] | type[CpuKernels]:
+    return CpuKernels if device.type == "cpu" else CudaKernels

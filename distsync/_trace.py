@@ -1,0 +1,119 @@
+"""Trace the CUDA path of a synchronized layer on a machine without a GPU.
+
+With a CUDA build of torch, ``FakeTensorMode`` makes CUDA tensors that dispatch every op as on a GPU
+without running it, and the ``fake`` process-group backend stands in for NCCL. Any host sync then raises
+``DataDependentOutputException``. The autograd engine needs a real device, so backward is traced by
+calling the output's ``grad_fn`` directly. PyTorch has no meta kernels for the ``batch_norm_*`` ops the
+CUDA path uses; :func:`fake_cuda_world` registers shape-only ones for the trace.
+
+Used by ``tests/test_cuda_trace.py`` and ``benchmarks/cuda_trace.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_VIEWS = {"view", "_unsafe_view", "as_strided", "select", "slice", "unsqueeze", "expand", "unbind", "t"}
+_COLLECTIVES = ("c10d.", "_c10d_functional.")
+
+
+@dataclass
+class Trace:
+    """What one call dispatched: ATen ops (views excluded), collectives, and passes over the activation."""
+
+    ops: list[str] = field(default_factory=list)
+    collectives: list[tuple[str, int]] = field(default_factory=list)  # (op, bytes)
+    activation_passes: int = 0
+    host_transfers: list[str] = field(default_factory=list)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, activation_numel: int) -> None:
+        super().__init__()
+        self.trace = Trace()
+        self.numel = activation_numel
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func.overloadpacket.__qualname__ if hasattr(func, "overloadpacket") else func)
+        full = str(func)
+        result = func(*args, **kwargs)
+        flat_in = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        flat_out = [r for r in torch.utils._pytree.tree_leaves(result) if isinstance(r, torch.Tensor)]
+        if full.startswith(_COLLECTIVES):
+            payload = flat_in[0]
+            self.trace.collectives.append((full, payload.numel() * payload.element_size()))
+            return result
+        if not full.startswith("aten.") or name.split(".")[-1] in _VIEWS or func.is_view:
+            return result
+        self.trace.ops.append(full)
+        devices = {t.device.type for t in flat_in + flat_out if t.dim() > 0}
+        if "cpu" in devices and "cuda" in devices:
+            self.trace.host_transfers.append(full)
+        touched = {id(t) for t in flat_in + flat_out if t.numel() == self.numel}
+        self.trace.activation_passes += len(touched)
+        return result
+
+
+@contextlib.contextmanager
+def record(activation_numel: int) -> Iterator[Trace]:
+    recorder = _Recorder(activation_numel)
+    with recorder:
+        yield recorder.trace
+
+
+def _register_fake_kernels(library: torch.library.Library) -> None:
+    """Shape-only Meta kernels for the CUDA batch-norm ops (none ship with PyTorch)."""
+
+    def acc(x: torch.Tensor) -> torch.dtype:
+        return torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+
+    def update_stats(x, running_mean, running_var, momentum):
+        c = x.shape[1]
+        return x.new_empty(c, dtype=acc(x)), x.new_empty(c, dtype=acc(x))
+
+    def elemt(x, weight, bias, mean, invstd, eps):
+        return torch.empty_like(x)
+
+    def backward_reduce(dy, x, mean, invstd, weight, input_g, weight_g, bias_g):
+        c = x.shape[1]
+        grad_weight = weight.new_empty(c) if weight_g else None
+        grad_bias = (mean if weight is None else weight).new_empty(c) if bias_g else None
+        return mean.new_empty(c), mean.new_empty(c), grad_weight, grad_bias
+
+    def backward_elemt(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
+        assert count.dtype == torch.int32, "batch_norm_backward_elemt reads count as int32"
+        assert mean.dtype == invstd.dtype == sum_dy.dtype == sum_dy_xmu.dtype, "stat dtypes differ"
+        return torch.empty_like(dy)
+
+    library.impl("batch_norm_update_stats", update_stats, "Meta")
+    library.impl("batch_norm_elemt", elemt, "Meta")
+    library.impl("batch_norm_backward_reduce", backward_reduce, "Meta")
+    library.impl("batch_norm_backward_elemt", backward_elemt, "Meta")
+
+
+_library: torch.library.Library | None = None
+
+
+@contextlib.contextmanager
+def fake_cuda_world(world_size: int = 2) -> Iterator[None]:
+    """A fake NCCL world of ``world_size`` (this process is rank 0) and fake CUDA tensors."""
+    global _library
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if _library is None:
+        _library = torch.library.Library("aten", "IMPL")
+        _register_fake_kernels(_library)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=False):
+            yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,162 @@
+"""Real-training-code behaviours: identity that survives other modules, torch-compatible semantics, faults.
+
+Each world runs every scenario in one spawn (spawning dominates the cost) and returns what each rank saw.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import distsync
+from distsync.testing import run_world
+
+
+def _outcome(fn):
+    try:
+        result = fn()
+    except Exception as error:  # the test compares what each rank raised
+        return type(error).__name__, str(error)
+    return None, result
+
+
+def _model():
+    torch.manual_seed(0)
+    return distsync.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(), nn.BatchNorm2d(4)))
+
+
+def _x(n=3):
+    return torch.randn(n, 4, 2, 2)
+
+
+def _identity_scenarios(rank, world_size):
+    seen = {}
+    # Rank 0 builds extra synced layers first (an EMA copy, a probe): ids must not shift.
+    if rank == 0:
+        distsync.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4), nn.BatchNorm2d(7)))
+        distsync.DistSyncBatchNorm2d(4)
+    model = _model()
+    seen["extra layers on one rank"] = _outcome(lambda: model(_x()).shape)
+    # A deep copy (teacher) called on one rank against the original (student) on the other.
+    teacher = copy.deepcopy(model)
+    seen["deepcopy vs original"] = _outcome(lambda: (model if rank == 0 else teacher)[0](_x()).shape)
+    # Two same-width layers in swapped order.
+    fresh = _model()
+    order = (0, 2) if rank == 0 else (2, 0)
+    seen["swapped layers"] = _outcome(lambda: [fresh[i](_x()) for i in order] and None)
+    # Layers constructed directly inside a module find their own path.
+    direct = nn.Sequential(distsync.DistSyncBatchNorm2d(4), distsync.DistSyncBatchNorm2d(4))
+    seen["direct layers swapped"] = _outcome(lambda: direct[rank](_x()).shape)
+    return seen
+
+
+def test_layer_identity_does_not_depend_on_what_else_a_process_built():
+    for seen in run_world(_identity_scenarios, 2):
+        assert seen["extra layers on one rank"] == (None, torch.Size([3, 4, 2, 2]))
+        for scenario in ("deepcopy vs original", "swapped layers", "direct layers swapped"):
+            assert seen[scenario][0] == "SyncMismatchError", (scenario, seen[scenario])
+
+
+def _semantics_scenarios(rank, world_size):
+    seen = {}
+    layer = distsync.DistSyncBatchNorm2d(4)
+    # A rejected input on one rank still takes part in the all-reduce: every rank raises at that call...
+    x = _x().long() if rank == 1 else _x()
+    seen["rejected input"] = _outcome(lambda: layer(x))
+    # ...and stays in step afterwards.
+    seen["next call"] = _outcome(lambda: layer(_x()).shape)
+    # Eval without running statistics never syncs (nn.SyncBatchNorm): rank 0 evaluates alone.
+    no_stats = distsync.DistSyncBatchNorm2d(4, track_running_stats=False).eval()
+    if rank == 0:
+        seen["eval alone"] = _outcome(
+            lambda: torch.equal(no_stats(x), nn.functional.batch_norm(x, None, None, training=True))
+        )
+    # An empty global batch gives an empty output, like nn.BatchNorm, and leaves running stats alone.
+    before = layer.running_mean.clone()
+    seen["empty global batch"] = _outcome(
+        lambda: (layer(torch.randn(0, 4, 2, 2)).shape, torch.equal(before, layer.running_mean))
+    )
+
+    # Double backward: one clear error on every rank.
+    def double_backward():
+        inp = _x().requires_grad_()
+        (grad,) = torch.autograd.grad(layer(inp).pow(2).sum(), inp, create_graph=True)
+        grad.sum().backward()
+
+    seen["double backward"] = _outcome(double_backward)
+    # eps <= 0 is refused in training as F.batch_norm refuses it.
+    seen["eps=0"] = _outcome(lambda: distsync.DistSyncBatchNorm2d(4, eps=0.0)(_x()))
+    seen["eps=-1"] = _outcome(lambda: distsync.DistSyncBatchNorm2d(4, eps=-1.0)(_x()))
+    # check_sync has nothing deferred on the CPU.
+    seen["check_sync"] = _outcome(distsync.check_sync)
+    return seen
+
+
+def test_torch_compatible_semantics_on_every_rank():
+    per_rank = run_world(_semantics_scenarios, 2)
+    assert (
+        per_rank[1]["rejected input"][0] == "ValueError"
+        and "floating-point" in per_rank[1]["rejected input"][1]
+    )
+    assert per_rank[0]["rejected input"][0] == "SyncError"
+    for seen in per_rank:
+        assert seen["next call"] == (None, torch.Size([3, 4, 2, 2])), seen["next call"]
+        assert seen["empty global batch"] == (None, (torch.Size([0, 4, 2, 2]), True))
+        assert seen["double backward"][0] == "RuntimeError" and "twice" in seen["double backward"][1]
+        for key in ("eps=0", "eps=-1"):
+            assert seen[key][0] == "ValueError" and "eps must be positive" in seen[key][1]
+        assert seen["check_sync"] == (None, None)
+    assert per_rank[0]["eval alone"] == (None, True)
+
+
+def _float64_far_from_zero(rank, world_size, ratio):
+    layer = distsync.DistSyncBatchNorm1d(3, dtype=torch.float64)
+    sizes = [5 + r for r in range(world_size)]
+    rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    errors = []
+    for step in range(3):
+        full = torch.randn(
+            sum(sizes), 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step)
+        )
+        full = full + ratio
+        expected = nn.functional.batch_norm(full, None, None, training=True)[rows]
+        out = layer(full[rows])
+        errors.append(((out - expected).norm() / expected.norm()).item())
+    return errors
+
+
+@pytest.mark.parametrize("ratio", [1e6, 1e8])
+def test_float64_keeps_float64_accuracy_far_from_zero(ratio):
+    """From the second call on, the merge is around the previous global mean: no cancellation."""
+    for errors in run_world(_float64_far_from_zero, 2, ratio):
+        assert max(errors[1:]) < 1e-7, errors
+
+
+def test_collective_failure_names_the_layer():
+    class Broken:
+        world_size, first = 2, True
+
+        def all_reduce(self, payload):
+            raise RuntimeError("Connection reset by peer")
+
+    layer = distsync.DistSyncBatchNorm2d(4)
+    layer._replica_reducer = Broken()
+    with pytest.raises(distsync.SyncError, match="forward call #0 failed: Connection reset by peer") as info:
+        layer(_x())
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_bias_false_and_pytorch_encoding_signature():
+    layer = distsync.DistSyncBatchNorm2d(4, bias=False)
+    assert layer.bias is None and layer.weight is not None
+    plain = nn.BatchNorm2d(4, bias=False)
+    assert distsync.revert_sync_batchnorm(distsync.convert_sync_batchnorm(copy.deepcopy(plain))).bias is None
+    plain.load_state_dict(distsync.convert_sync_batchnorm(nn.BatchNorm2d(4, bias=False)).state_dict())
+    assert run_world(_encoding_signature, 2) == [True, True]
+
+
+def _encoding_signature(rank, world_size):
+    group = torch.distributed.new_group([0, 1])
+    layer = distsync.DistSyncBatchNorm(4, 1e-5, 0.1, group)  # PyTorch-Encoding's positional order
+    return layer.process_group is group and layer.affine
