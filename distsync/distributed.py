@@ -46,7 +46,12 @@ def init_distributed(
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() and backend in ("auto", "nccl")
     if use_cuda:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        if local_rank >= torch.cuda.device_count():  # NCCL rejects two ranks on one GPU; so do we
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} GPU(s): start at "
+                "most one process per GPU (torchrun --nproc_per_node), or pass backend='gloo' for the CPU"
+            )
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

@@ -31,11 +31,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, backend: str
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
         # Serialized here: tensors put on a queue as-is are shared through this process, which exits soon.
         buffer = io.BytesIO()
         torch.save(fn(rank, world_size, *args), buffer)
@@ -47,9 +51,12 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
             dist.destroy_process_group()
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh gloo processes; return results by rank.
+def run_world(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0, backend: str = "gloo"
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; return results by rank.
 
+    The processes form a ``backend`` world (gloo by default; ``nccl`` puts rank r on GPU r).
     ``fn`` must be importable (module level) and its result picklable. Raises :class:`WorkerFailed` with
     the tracebacks of failing ranks, or when the world does not finish within ``timeout`` seconds (the
     processes are then killed, so a hang fails the caller instead of blocking it).
@@ -58,7 +65,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, results), daemon=True)
+        ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, results, backend), daemon=True)
         for rank in range(world_size)
     ]
     for proc in procs:
