@@ -13,6 +13,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from distsync import DistSyncBatchNorm2d
+from distsync._moments import payload_size
 from distsync.testing import allocations
 
 Shape = tuple[int, int, int, int]
@@ -22,7 +23,7 @@ OVERHEAD_SHAPE: Shape = (2, 8, 2, 2)
 class _NoCommReducer:
     """A reducer for one participant: distsync's own compute, without any communication."""
 
-    world_size = 1
+    world_size, first = 1, True
 
     def all_reduce(self, payload: torch.Tensor) -> torch.Tensor:
         return payload
@@ -68,7 +69,7 @@ def layer_variants(
     channels = shape[1]
     x = torch.randn(shape, device=dev, dtype=dtype, requires_grad=True)
     grad = torch.randn(shape, device=dev, dtype=dtype)
-    payload = torch.zeros(2 * channels + 8, dtype=torch.float64, device=dev)
+    payload = torch.zeros(payload_size(channels), dtype=torch.float64, device=dev)
     local = nn.BatchNorm2d(channels).to(dev)
 
     def all_reduce() -> None:
@@ -146,12 +147,12 @@ def bench_layers(
 
 
 def allreduce_latency(channels: int, calls: int = 400) -> dict:
-    """Quantiles of one all_reduce of a (2C+8) float64 sync payload, back to back on otherwise idle ranks.
+    """Quantiles of one all_reduce of a (3C+9) float64 sync payload, back to back on otherwise idle ranks.
 
     The slowest rank's time per call. Set against the floor's cost per all_reduce inside a training step,
     it shows how much of that cost is the transport itself.
     """
-    payload = torch.zeros(2 * channels + 8, dtype=torch.float64, device=device())
+    payload = torch.zeros(payload_size(channels), dtype=torch.float64, device=device())
     for _ in range(20):
         dist.all_reduce(payload)
     times = torch.zeros(calls, dtype=torch.float64)

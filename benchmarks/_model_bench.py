@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 import distsync
+from distsync._moments import payload_size
 from distsync.testing import allocations
 
 BLOCKS, CHANNELS, SIZE, BATCH, CLASSES = 7, 32, 32, 16, 10
@@ -42,7 +43,7 @@ def conv_net() -> nn.Sequential:
 
 def _add_bn_collectives(net: nn.Module) -> None:
     """Give every local BN the two all-reduces a synced one needs (one in forward, one in backward)."""
-    payload = torch.zeros(2 * CHANNELS + 8, dtype=torch.float64, device=device())
+    payload = torch.zeros(payload_size(CHANNELS), dtype=torch.float64, device=device())
 
     def all_reduce(*_) -> None:
         dist.all_reduce(payload)

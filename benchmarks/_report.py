@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from distsync._moments import payload_size
+
 LAYER_TARGET, LAYER_GOAL = 1.5, 1.15
 MODEL_TARGET, MODEL_GOAL = 1.25, 1.10
 MEMORY_TARGET = 1.1
@@ -73,7 +75,7 @@ def _allreduce_row(model: dict, latency: dict) -> str:
     ms = {key: value * 1e3 for key, value in latency.items() if key.endswith("_s")}
     added = 2 * model["collectives"]["bn_layers"]  # the all-reduces the floor adds to the local step
     return (
-        f"| one BN all_reduce ({(2 * latency['channels'] + 8) * 8} B): inside the step vs. back to back "
+        f"| one BN all_reduce ({payload_size(latency['channels']) * 8} B): inside the step vs. back to back "
         f"on idle ranks | {model['allreduce_in_step_s'] * 1e3:.2f} ms = (floor - no-bcast local) / {added} "
         f"vs. idle p50 {ms['p50_s']:.2f} / p75 {ms['p75_s']:.2f} / p90 {ms['p90_s']:.2f} ms "
         f"(mean {ms['mean_s']:.2f}) | | sets the floor |"
@@ -112,7 +114,7 @@ def _model_table(model: dict, torch_syncbn: str | None, latency: dict) -> list[s
         f"{coll['bn_layers']} layers; {coll['gloo_all_reduces_per_step']} gloo all_reduces incl. DDP) "
         f"| 2 | {'ok' if coll['per_layer'] == 2 else 'MISSED'} |",
         f"| BN payload bytes per all_reduce | {', '.join(map(str, coll['payload_bytes']))} "
-        f"(= (2C+8) x 8, C={32}) | O(C) | ok |",
+        f"(= (3C+9) x 8, C={32}) | O(C) | ok |",
         f"| BN on a dedicated group: step {med['sync_group'] * 1e3:.2f} ms | {group:.3f}x the default group "
         f"(quartiles {low:.3f}-{high:.3f}) | keep only if < 1 | {group_verdict} |",
         f"| nn.SyncBatchNorm DDP step | {peer} | | |",
@@ -128,7 +130,7 @@ def table(results: dict) -> str:
         f"{' (--quick)' if meta['quick'] else ''}; machine load (1-min average) before/after: "
         f"{meta['load_avg_1m'][0]} / {meta['load_avg_1m'][1]}",
         "",
-        "Layer: one BN forward+backward; floor = native nn.BatchNorm2d fwd+bwd + 2 all_reduces of (2C+8) f64",
+        "Layer: one BN forward+backward; floor = native nn.BatchNorm2d fwd+bwd + 2 all_reduces of (3C+9) f64",
         *_layer_table(results["layers"]),
         "",
         "Model: DDP training step, 7 conv-BN-ReLU blocks, C=32, 32x32, batch 16 per rank",

@@ -6,7 +6,9 @@ without running it, and the ``fake`` process-group backend stands in for NCCL. A
 calling the output's ``grad_fn`` directly. PyTorch has no meta kernels for the ``batch_norm_*`` ops the
 CUDA path uses; :func:`fake_cuda_world` registers shape-only ones for the trace.
 
-Used by ``tests/test_cuda_trace.py`` and ``benchmarks/cuda_trace.py``.
+Used by ``tests/test_cuda_trace.py`` and ``benchmarks/cuda_trace.py`` (which also traces
+``nn.SyncBatchNorm``, whose ``batch_norm_stats`` and ``batch_norm_gather_stats_with_counts`` get
+shape-only kernels here too).
 """
 
 from __future__ import annotations
@@ -92,6 +94,15 @@ def _register_fake_kernels(library: torch.library.Library) -> None:
         assert mean.dtype == invstd.dtype == sum_dy.dtype == sum_dy_xmu.dtype, "stat dtypes differ"
         return torch.empty_like(dy)
 
+    def stats(x, eps):
+        c = x.shape[1]
+        return x.new_empty(c, dtype=acc(x)), x.new_empty(c, dtype=acc(x))
+
+    def gather_stats(x, mean, invstd, running_mean, running_var, momentum, eps, counts):
+        return mean.new_empty(mean.shape[1]), mean.new_empty(mean.shape[1])
+
+    library.impl("batch_norm_stats", stats, "Meta")
+    library.impl("batch_norm_gather_stats_with_counts", gather_stats, "Meta")
     library.impl("batch_norm_update_stats", update_stats, "Meta")
     library.impl("batch_norm_elemt", elemt, "Meta")
     library.impl("batch_norm_backward_reduce", backward_reduce, "Meta")

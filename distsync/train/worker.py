@@ -166,6 +166,12 @@ class _Trainer:
             loss_sum += torch.stack([loss.detach().double(), loss.new_ones((), dtype=torch.float64)])
             if bar is not None:
                 bar.update(1)
+            if (
+                self.step % t.log_every == 0
+                or self.step % t.checkpoint_every == 0
+                or self.step == t.max_steps
+            ):
+                distsync.check_sync()  # deferred GPU-side errors surface before anything is logged or saved
             if self.step % t.log_every == 0 or self.step == t.max_steps:
                 self._log_train(loss_sum, bar)
                 loss_sum.zero_()
