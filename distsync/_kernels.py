@@ -115,8 +115,9 @@ class CpuKernels:
             # float32 copy of it.
             mean, var = torch.batch_norm_update_stats(input, None, None, 0.0)
             return Local(input, mean, var, None)
-        # Any in-batch value is within a few standard deviations of the mean: shift by the first sample's.
-        origin = input[(0, slice(None), *[0] * (input.dim() - 2))]
+        # Any in-batch value is within a few standard deviations of the mean: shift by the first sample's
+        # (by 0 where it is not finite, so that an inf stays an inf as in nn.BatchNorm).
+        origin = input[(0, slice(None), *[0] * (input.dim() - 2))].nan_to_num(0.0, 0.0, 0.0)
         z = input - per_channel(origin, input.dim())
         mean, var = torch.batch_norm_update_stats(z, None, None, 0.0)
         return Local(z, mean, var, origin)
@@ -154,7 +155,7 @@ class CpuKernels:
             scale = scale * weight.to(scale.dtype)
         coefficients = (reduced / -count).to(scale.dtype) * scale
         if len(saved) > 2:  # clipped variance: no gradient through it in clipped channels
-            coefficients[1].mul_(saved[3])
+            coefficients[1].mul_(saved[2])
         shift, slope = coefficients.unbind()
         # The x_hat-dependent part and the constant in one fused eval-mode batch-norm pass, then + scale*dy.
         grad_input = torch.batch_norm(z, slope, shift, mean, var, False, 0.0, eps, False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -24,6 +26,7 @@ _TO_SYNC = {
     nn.BatchNorm2d: DistSyncBatchNorm2d,
     nn.BatchNorm3d: DistSyncBatchNorm3d,
     nn.SyncBatchNorm: DistSyncBatchNorm,
+    BatchNormNd: DistSyncBatchNorm,
 }
 _TO_LOCAL = {
     DistSyncBatchNorm1d: nn.BatchNorm1d,
@@ -61,16 +64,39 @@ def _match(module: nn.Module, table: dict) -> type | None:
     return next((table[cls] for cls in type(module).__mro__ if cls in table), None)
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
-    """Replace every ``nn.BatchNorm1d/2d/3d`` and ``nn.SyncBatchNorm`` in ``module`` by its distsync twin.
+def _sync_class(module: nn.Module) -> type[DistSyncBatchNorm] | None:
+    """The distsync class for ``module``, as PyTorch's converter would pick it (any ``_BatchNorm``)."""
+    if isinstance(module, DistSyncBatchNorm) or not isinstance(module, _BatchNorm):
+        return None
+    if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+        raise ValueError(
+            f"cannot convert the uninitialized {type(module).__name__}: its number of features is not known "
+            "yet. Run one forward pass (or initialize the lazy model) before convert_sync_batchnorm."
+        )
+    new_cls = _match(module, _TO_SYNC) or DistSyncBatchNorm
+    if type(module) not in _TO_SYNC:
+        warnings.warn(
+            f"convert_sync_batchnorm: {type(module).__name__} is converted to {new_cls.__name__} like "
+            "nn.SyncBatchNorm.convert_sync_batchnorm would; its own forward and input checks are not kept",
+            UserWarning,
+            stacklevel=3,
+        )
+    return new_cls
 
-    Parameters are kept as the same objects (so optimizers built before still point at them), and so are
-    buffers, ``requires_grad``, ``training``, device and dtype. Layers are created in module order, which
-    gives them the same identity on every rank of a model built the same way.
+
+def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Replace every batch-norm layer in ``module`` by its distsync twin, as PyTorch's converter does.
+
+    ``nn.BatchNorm1d/2d/3d`` (and their subclasses) become ``DistSyncBatchNorm1d/2d/3d``; ``nn.SyncBatchNorm``
+    and any other ``_BatchNorm`` become the rank-agnostic ``DistSyncBatchNorm`` (with a warning for custom
+    subclasses, whose own forward is not kept). An uninitialized lazy layer is refused. Parameters are kept
+    as the same objects (so optimizers built before still point at them), and so are buffers,
+    ``requires_grad``, ``training``, ``bias=False``, device and dtype.
 
     Args:
         module: a module tree, or a single batch-norm layer
-        process_group: ranks to synchronize with. Default: ``None`` (the default group)
+        process_group: ranks to synchronize with. Default: ``None``: an ``nn.SyncBatchNorm``'s own group,
+            else the default group
 
     Returns:
         ``module`` with its batch-norm layers replaced (a new object if ``module`` itself is one).
@@ -79,8 +105,10 @@ def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup |
 
         >>> model = distsync.convert_sync_batchnorm(torchvision.models.resnet18())
     """
-    new_cls = _match(module, _TO_SYNC) if not isinstance(module, DistSyncBatchNorm) else None
-    if new_cls is not None and not isinstance(module, nn.modules.lazy.LazyModuleMixin):
+    new_cls = _sync_class(module)
+    if new_cls is not None:
+        if process_group is None:  # an nn.SyncBatchNorm keeps the group it syncs over
+            process_group = getattr(module, "process_group", None)
         return _swap(module, new_cls, process_group=process_group)
     for name, child in module.named_children():
         converted = convert_sync_batchnorm(child, process_group)

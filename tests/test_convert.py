@@ -1,5 +1,6 @@
 """convert_sync_batchnorm / revert_sync_batchnorm keep parameters, buffers and state_dict compatibility."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -90,3 +91,30 @@ def test_optimizer_built_before_conversion_still_trains_the_layer():
     model(torch.randn(5, 3)).square().sum().backward()
     optimizer.step()
     assert not torch.equal(before, model[1].weight)
+
+
+class _CustomNorm(nn.modules.batchnorm._BatchNorm):
+    def _check_input_dim(self, input):
+        pass
+
+
+def test_converts_what_pytorch_converts_and_says_what_it_drops():
+    model = nn.Sequential(_CustomNorm(3), nn.BatchNorm2d(3), distsync.BatchNormNd(3))
+    with pytest.warns(UserWarning, match="_CustomNorm is converted to DistSyncBatchNorm"):
+        converted = distsync.convert_sync_batchnorm(model)
+    assert [type(m) for m in converted] == [
+        distsync.DistSyncBatchNorm,
+        distsync.DistSyncBatchNorm2d,
+        distsync.DistSyncBatchNorm,
+    ]
+    with pytest.raises(ValueError, match="uninitialized LazyBatchNorm2d"):
+        distsync.convert_sync_batchnorm(nn.Sequential(nn.LazyBatchNorm2d()))
+    lazy = nn.Sequential(nn.LazyBatchNorm2d())
+    lazy(torch.randn(2, 5, 3, 3))  # initialized: it has become an nn.BatchNorm2d
+    assert type(distsync.convert_sync_batchnorm(lazy)[0]) is distsync.DistSyncBatchNorm2d
+
+
+def test_keeps_the_process_group_of_an_nn_syncbatchnorm():
+    layer = nn.SyncBatchNorm(3, process_group="group-sentinel")
+    assert distsync.convert_sync_batchnorm(layer).process_group == "group-sentinel"
+    assert distsync.convert_sync_batchnorm(layer, process_group="other").process_group == "other"

@@ -160,3 +160,50 @@ def _encoding_signature(rank, world_size):
     group = torch.distributed.new_group([0, 1])
     layer = distsync.DistSyncBatchNorm(4, 1e-5, 0.1, group)  # PyTorch-Encoding's positional order
     return layer.process_group is group and layer.affine
+
+
+def _clip_mode(rank, world_size):
+    """eps_mode='clip' (Synchronized-BatchNorm's default): std = sqrt(max(var, eps)) when synchronized."""
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(8, 3, 5, dtype=torch.float64, generator=gen)
+    full[:, 0] *= 1e-4  # variance 1e-8, far below eps: clipped
+    full = full.requires_grad_()
+    dy = torch.randn(full.shape, dtype=torch.float64, generator=gen)
+    eps = 1e-5
+    mean = full.mean((0, 2), keepdim=True)
+    var = full.var((0, 2), unbiased=False, keepdim=True)
+    expected = (full - mean) / var.clamp(min=eps).sqrt()
+    expected.backward(dy)
+    rows = slice(4 * rank, 4 * rank + 4)
+    layer = distsync.DistSyncBatchNorm1d(3, eps=eps, affine=False, dtype=torch.float64)
+    layer.eps_mode = "clip"
+    x = full.detach()[rows].clone().requires_grad_()
+    out = layer(x)
+    out.backward(dy[rows])
+    error = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    return error(out, expected[rows]), error(x.grad, full.grad[rows])
+
+
+def test_clip_eps_mode_matches_its_definition():
+    for output_error, grad_error in run_world(_clip_mode, 2):
+        assert output_error < 1e-10 and grad_error < 1e-10, (output_error, grad_error)
+
+
+def _infinite_input(rank, world_size):
+    x = torch.randn(4, 2, 3, generator=torch.Generator().manual_seed(rank))
+    if rank == 0:
+        x[0, 0, 0], x[1, 1, 1] = float("inf"), float("-inf")
+    gathered = [torch.zeros_like(x) for _ in range(world_size)]
+    torch.distributed.all_gather(gathered, x)
+    reference = nn.BatchNorm1d(2)
+    reference(torch.cat(gathered))
+    layer = distsync.DistSyncBatchNorm1d(2)
+    layer(x)
+    return [(r, s) for r, s in zip(reference.state_dict().values(), layer.state_dict().values(), strict=True)]
+
+
+def test_infinite_inputs_give_the_running_stats_nn_batchnorm_gives():
+    for pairs in run_world(_infinite_input, 2):
+        for expected, actual in pairs:
+            assert torch.equal(expected.isnan(), actual.isnan())
+            assert torch.equal(expected.nan_to_num(), actual.nan_to_num())
