@@ -78,6 +78,14 @@ def _semantics_scenarios(rank, world_size):
         lambda: (layer(torch.randn(0, 4, 2, 2)).shape, torch.equal(before, layer.running_mean))
     )
 
+    # Only empty inputs, with backward (PyTorch's test_sync_batch_norm_only_empty_input).
+    def only_empty():
+        empty_layer = distsync.DistSyncBatchNorm2d(4)
+        inp = torch.randn(0, 4, 2, 2, requires_grad=True)
+        empty_layer(inp).sum().backward()
+        return inp.grad.shape, empty_layer.weight.grad.abs().sum().item(), empty_layer.num_batches_tracked.item()
+
+    seen["only empty inputs"] = _outcome(only_empty)
     # Double backward: one clear error on every rank.
     def double_backward():
         inp = _x().requires_grad_()
@@ -107,6 +115,7 @@ def test_torch_compatible_semantics_on_every_rank():
         for key in ("eps=0", "eps=-1"):
             assert seen[key][0] == "ValueError" and "eps must be positive" in seen[key][1]
         assert seen["check_sync"] == (None, None)
+        assert seen["only empty inputs"] == (None, (torch.Size([0, 4, 2, 2]), 0.0, 1))
     assert per_rank[0]["eval alone"] == (None, True)
 
 
