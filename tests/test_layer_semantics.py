@@ -83,7 +83,8 @@ def _semantics_scenarios(rank, world_size):
         empty_layer = distsync.DistSyncBatchNorm2d(4)
         inp = torch.randn(0, 4, 2, 2, requires_grad=True)
         empty_layer(inp).sum().backward()
-        return inp.grad.shape, empty_layer.weight.grad.abs().sum().item(), empty_layer.num_batches_tracked.item()
+        layer_grad = empty_layer.weight.grad.abs().sum().item()
+        return inp.grad.shape, layer_grad, empty_layer.num_batches_tracked.item()
 
     seen["only empty inputs"] = _outcome(only_empty)
     # Double backward: one clear error on every rank.
