@@ -29,6 +29,16 @@ def _warn_unwired_replica() -> None:
     )
 
 
+def _warn_vendored(names: tuple[str, ...]) -> None:
+    warnings.warn(
+        f"loading a vendored Synchronized-BatchNorm checkpoint: dropped its {', '.join(names)} buffers "
+        "(its running_mean/running_var already hold the running statistics). Such forks often default to "
+        "another momentum (e.g. 0.001): see docs/migration.md.",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
 class DistSyncBatchNorm(_BatchNorm):
     r"""Batch normalization over the union of the batches of all ranks of a process group.
 
@@ -93,11 +103,22 @@ class DistSyncBatchNorm(_BatchNorm):
             num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, bias=bias
         )
         self.process_group = process_group
-        self.eps_mode = (
-            "plus"  # "clip": std = sqrt(max(var, eps)) when synchronized, as Synchronized-BatchNorm
-        )
         self._sync_state = SyncState()
         self._replica_reducer: Reducer | None = None
+
+    eps_mode = "plus"
+    """How eps enters the synchronized statistics: ``"plus"``, ``sqrt(var + eps)`` (``nn.BatchNorm``), or
+    ``"clip"``, ``sqrt(max(var, eps))`` (Synchronized-BatchNorm's default; see ``distsync.parallel``)."""
+
+    # Buffers that vendored Synchronized-BatchNorm forks keep next to the running statistics (for their own
+    # bias-corrected running average, already folded into running_mean/var): dropped on load.
+    _VENDORED_BUFFERS = ("_tmp_running_mean", "_tmp_running_var", "_running_iter")
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        dropped = [name for name in self._VENDORED_BUFFERS if state_dict.pop(prefix + name, None) is not None]
+        if dropped:
+            _warn_vendored(tuple(dropped))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _layer_name(self) -> str:
         return self._sync_state.layer_name or type(self).__name__

@@ -87,6 +87,7 @@ def _semantics_scenarios(rank, world_size):
         return inp.grad.shape, layer_grad, empty_layer.num_batches_tracked.item()
 
     seen["only empty inputs"] = _outcome(only_empty)
+
     # Double backward: one clear error on every rank.
     def double_backward():
         inp = _x().requires_grad_()

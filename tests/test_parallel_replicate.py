@@ -25,6 +25,7 @@ from distsync.parallel import (
     convert_model,
     exec_data_parallel_replication_callback,
     patch_replication_callback,
+    set_sbn_eps_mode,
     transport,
 )
 from distsync.testing import run_threads, run_world
@@ -32,6 +33,14 @@ from distsync.testing import run_threads, run_world
 _replicate_module = importlib.import_module("torch.nn.parallel.replicate")
 _data_parallel_module = importlib.import_module("torch.nn.parallel.data_parallel")
 _BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}
+
+
+@pytest.fixture(autouse=True)
+def _plus_eps_mode():
+    """These tests compare the transport with nn.BatchNorm's arithmetic, sqrt(var + eps)."""
+    set_sbn_eps_mode("plus")
+    yield
+    set_sbn_eps_mode("clip")
 
 
 def _cpu_broadcast(tensors, devices, detach=False):
@@ -352,12 +361,14 @@ def test_old_style_code_runs_with_changed_imports_only():
     )
 
     assert distsync.DataParallelModel is DataParallelModel
-    assert distsync.SynchronizedBatchNorm3d is distsync.DistSyncBatchNorm3d
+    assert issubclass(distsync.SynchronizedBatchNorm3d, distsync.DistSyncBatchNorm3d)
+    assert type(model.module[1]) is distsync.SynchronizedBatchNorm2d  # with Synchronized-BatchNorm's eps
 
 
 def _hierarchical_worker(rank, world_size, sizes):
     """One process of a hierarchical run: two DataParallel-style replica threads, then the gloo group."""
     _replicate_module._broadcast_coalesced_reshape = _cpu_broadcast  # a fresh spawned process
+    set_sbn_eps_mode("plus")  # compared with nn.BatchNorm's arithmetic, as in the fixture above
     ref, model = _reference(2, 3)
     x = torch.randn(
         sum(map(sum, sizes)), 3, 2, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1)

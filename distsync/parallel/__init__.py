@@ -18,6 +18,13 @@ from .replicate import (
     execute_replication_callbacks,
     patch_replication_callback,
 )
+from .sync_batchnorm import (
+    SynchronizedBatchNorm1d,
+    SynchronizedBatchNorm2d,
+    SynchronizedBatchNorm3d,
+    patch_sync_batchnorm,
+    set_sbn_eps_mode,
+)
 from .transport import ReplicaReducer
 
 __all__ = [
@@ -37,19 +44,18 @@ __all__ = [
     "exec_data_parallel_replication_callback",
     "execute_replication_callbacks",
     "patch_replication_callback",
+    "patch_sync_batchnorm",
+    "set_sbn_eps_mode",
 ]
-
-SynchronizedBatchNorm1d = DistSyncBatchNorm1d
-SynchronizedBatchNorm2d = DistSyncBatchNorm2d
-SynchronizedBatchNorm3d = DistSyncBatchNorm3d
 
 
 def convert_model(module: nn.Module) -> nn.Module:
-    """Synchronized-BatchNorm's converter: batch norm layers of ``module`` become synchronized ones.
+    """Synchronized-BatchNorm's converter: batch norm layers of ``module`` become ``SynchronizedBatchNorm*d``.
 
     ``nn.BatchNorm1d/2d/3d`` (and ``nn.SyncBatchNorm``) are replaced as by
-    :func:`distsync.convert_sync_batchnorm`, parameters and buffers kept. Given an ``nn.DataParallel``,
-    it returns a :class:`DataParallelWithCallback` over the converted module with the same devices.
+    :func:`distsync.convert_sync_batchnorm`, parameters and buffers kept, and follow
+    :func:`set_sbn_eps_mode` like the source library's layers. Given an ``nn.DataParallel``, it returns a
+    :class:`DataParallelWithCallback` over the converted module with the same devices.
 
     Examples::
 
@@ -57,9 +63,21 @@ def convert_model(module: nn.Module) -> nn.Module:
     """
     if isinstance(module, nn.DataParallel):
         return DataParallelWithCallback(
-            convert_sync_batchnorm(module.module),
+            convert_model(module.module),
             device_ids=module.device_ids or None,
             output_device=getattr(module, "output_device", None),
             dim=getattr(module, "dim", 0),
         )
-    return convert_sync_batchnorm(module)
+    converted = convert_sync_batchnorm(module)
+    for layer in converted.modules():
+        alias = _ALIASES.get(type(layer))
+        if alias is not None:  # the alias only adds the eps-mode switch: same state, same layout
+            layer.__class__ = alias
+    return converted
+
+
+_ALIASES = {
+    DistSyncBatchNorm1d: SynchronizedBatchNorm1d,
+    DistSyncBatchNorm2d: SynchronizedBatchNorm2d,
+    DistSyncBatchNorm3d: SynchronizedBatchNorm3d,
+}
