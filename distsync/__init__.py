@@ -5,6 +5,7 @@ from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm
 from .convert import BatchNormNd, convert_sync_batchnorm, revert_sync_batchnorm
 from .distributed import init_distributed
 from .errors import SyncError, SyncMismatchError
+from .groups import create_syncbn_process_group
 
 # The DataParallel compatibility shim's names are top-level too, so old imports need only a package rename.
 from .parallel import *  # noqa: E402, F403
@@ -19,6 +20,7 @@ __all__ = [
     "SyncError",
     "SyncMismatchError",
     "check_sync",
+    "create_syncbn_process_group",
     "convert_sync_batchnorm",
     "init_distributed",
     "revert_sync_batchnorm",

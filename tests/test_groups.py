@@ -1,0 +1,57 @@
+"""Synced BN within groups of k ranks equals float64 BatchNorm on each group's concatenated batch."""
+
+import torch
+from torch import nn
+
+import distsync
+from distsync.testing import run_world
+
+SIZES = (2, 3, 1, 4)  # per-rank batch sizes of a 4-rank world, groups {0, 1} and {2, 3}
+
+
+def _grouped(rank, world_size, group_size):
+    group = distsync.create_syncbn_process_group(group_size)
+    full = torch.randn(sum(SIZES), 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    dy = torch.randn(full.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    members = range(rank - rank % group_size, rank - rank % group_size + group_size)
+    start = sum(SIZES[: members[0]])
+    group_rows = slice(start, start + sum(SIZES[r] for r in members))
+    mine = slice(sum(SIZES[:rank]) - start, sum(SIZES[: rank + 1]) - start)
+    reference = nn.BatchNorm1d(3).double()
+    ref_x = full[group_rows].clone().requires_grad_()
+    reference(ref_x).backward(dy[group_rows])
+    layer = distsync.DistSyncBatchNorm1d(3, process_group=group, dtype=torch.float64)
+    x = full[group_rows][mine].clone().requires_grad_()
+    out = layer(x)
+    out.backward(dy[group_rows][mine])
+    expected = reference.eval()(full[group_rows][mine])  # the group's running stats, checked through eval
+    layer.eval()
+    return {
+        "eval output": (layer(x.detach()) - expected).abs().max().item(),
+        "input grad": (x.grad - ref_x.grad[mine]).abs().max().item(),
+        "running_mean": layer.running_mean.tolist(),
+    }
+
+
+def test_groups_of_two_sync_within_their_group_only():
+    per_rank = run_world(_grouped, 4, 2)
+    for result in per_rank:
+        assert result["eval output"] < 1e-10 and result["input grad"] < 1e-10, result
+    assert per_rank[0]["running_mean"] == per_rank[1]["running_mean"]
+    assert per_rank[2]["running_mean"] == per_rank[3]["running_mean"]
+    assert per_rank[0]["running_mean"] != per_rank[2]["running_mean"]
+
+
+def _whole_world_and_error(rank, world_size):
+    whole = distsync.create_syncbn_process_group(world_size)
+    try:
+        distsync.create_syncbn_process_group(3)
+    except ValueError as error:
+        return whole, str(error)
+    return whole, None
+
+
+def test_whole_world_and_bad_sizes_on_every_rank():
+    for whole, message in run_world(_whole_world_and_error, 2):
+        assert whole is None
+        assert message == "group_size=3 must be a positive divisor of the world size 2"
