@@ -1,0 +1,59 @@
+"""A 2-process Lightning DDP fit on CPU with distsync's plugin (run by tests/test_lightning.py).
+
+Lightning's DDP launcher re-runs this script for rank 1. Each rank sees half of 8 samples; one step with
+momentum 1 leaves the global batch's statistics in the running buffers, which rank 0 writes as JSON.
+"""
+
+import json
+import sys
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from distsync.lightning import DistSyncBatchNormPlugin
+
+DATA = torch.randn(8, 3, generator=torch.Generator().manual_seed(0)) * 3 + 1
+
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3, momentum=1.0)
+        self.seen = None
+
+    def training_step(self, batch, index):
+        self.seen = type(self.bn).__name__
+        return self.bn(batch[0]).pow(2).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+if __name__ == "__main__":
+    model = Model()
+    trainer = pl.Trainer(
+        strategy="ddp",
+        accelerator="cpu",
+        devices=2,
+        sync_batchnorm=True,
+        plugins=[DistSyncBatchNormPlugin()],
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DataLoader(TensorDataset(DATA), batch_size=4))
+    if trainer.global_rank == 0:
+        result = {
+            "layer_during_fit": model.seen,
+            "layer_after_fit": type(model.bn).__name__,
+            "running_mean": model.bn.running_mean.tolist(),
+            "running_var": model.bn.running_var.tolist(),
+            "expected_mean": DATA.mean(0).tolist(),
+            "expected_var": DATA.var(0).tolist(),
+        }
+        with open(sys.argv[1], "w") as out:
+            json.dump(result, out)
