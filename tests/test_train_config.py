@@ -85,3 +85,9 @@ def test_type_errors_are_caught_at_compose_time():
 def test_dataclasses_validate_without_hydra():
     with pytest.raises(ConfigError, match=r"trainer\.nproc_per_node must be >= 1"):
         TrainerConfig(nproc_per_node=0)
+
+
+@pytest.mark.parametrize(("override", "key"), [("+trainer.foo=1", "trainer.foo"), ("+bogus=3", "bogus")])
+def test_unknown_keys_are_refused_naming_the_key(override, key):
+    with pytest.raises(ConfigError, match=rf"^{key}: not a key of the training config$"):
+        _compose(override)

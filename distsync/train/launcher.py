@@ -12,6 +12,7 @@ into a plain :class:`~distsync.train.config.TrainConfig` and then either
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import socket
@@ -45,8 +46,28 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
+def _unknown_keys(node, schema: type, prefix: str = "") -> list[str]:
+    """Keys of ``node`` (a plain dict) that the ``schema`` dataclass has no field for, recursively."""
+    fields = {f.name: f.type for f in dataclasses.fields(schema)}
+    unknown = []
+    for key, value in node.items():
+        if key not in fields:
+            unknown.append(f"{prefix}{key}")
+        elif isinstance(value, dict) and dataclasses.is_dataclass(nested := _field_class(schema, key)):
+            unknown += _unknown_keys(value, nested, f"{prefix}{key}.")
+    return unknown
+
+
+def _field_class(schema: type, name: str) -> type | None:
+    default = next(f for f in dataclasses.fields(schema) if f.name == name).default_factory
+    return default if isinstance(default, type) else None
+
+
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """Resolve ``cfg`` into a :class:`TrainConfig`; raises :class:`ConfigError` naming the bad key."""
+    unknown = _unknown_keys(OmegaConf.to_container(cfg, resolve=False), TrainConfig)
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: not a key of the training config")
     try:
         train_cfg = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as error:
