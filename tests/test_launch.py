@@ -91,14 +91,16 @@ def test_external_torchrun_refuses_multirun(tmp_path):
 
 
 @pytest.mark.slow
-def test_sweep_runs_one_world_per_job(tmp_path):
+def test_sweep_runs_one_world_per_job_and_goes_on_past_a_failed_one(tmp_path):
     sweep = tmp_path / "sweep"
-    args = ["-m", "optim.lr=0.1,0.05", "trainer.max_steps=10", f"hydra.sweep.dir={sweep}", *FAST]
+    args = ["-m", "optim.lr=0.1,inf,0.05", "trainer.max_steps=10", f"hydra.sweep.dir={sweep}", *FAST]
     proc = _run([sys.executable, str(SCRIPT), *args], tmp_path)
-    assert proc.returncode == 0
+    assert proc.returncode != 0  # a job failed: the sweep says so at the end
+    assert "optim.lr must be finite" in proc.stderr
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
-    assert [j.name for j in jobs] == ["0", "1"]
-    for job, lr in zip(jobs, ["0.1", "0.05"], strict=True):
+    assert [j.name for j in jobs] == ["0", "1", "2"]
+    assert not (jobs[1] / "summary.json").exists()
+    for job, lr in zip([jobs[0], jobs[2]], ["0.1", "0.05"], strict=True):
         assert _summary(job)["steps"] == 10 and _summary(job)["world_size"] == 2
         assert f"optim.lr={lr}" in (job / ".hydra" / "overrides.yaml").read_text()
 

@@ -91,3 +91,10 @@ def test_dataclasses_validate_without_hydra():
 def test_unknown_keys_are_refused_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{key}: not a key of the training config$"):
         _compose(override)
+
+
+@pytest.mark.parametrize("override", ["optim.lr=inf", "data.noise=inf", "trainer.timeout_s=inf"])
+def test_non_finite_values_are_refused(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{key} must be finite"):
+        _compose(override)

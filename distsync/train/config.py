@@ -6,7 +6,8 @@ receive a resolved :class:`TrainConfig` instance, which pickles like any datacla
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "OptimConfig", "TrainerConfig", "TrainConfig"]
 
@@ -196,7 +197,17 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self) -> None:
+        for group in (self.model, self.data, self.optim, self.trainer):
+            for item in fields(group):
+                value = getattr(group, item.name)
+                if isinstance(value, float):
+                    _require(
+                        math.isfinite(value), f"{_GROUPS[type(group)]}.{item.name}", "must be finite", value
+                    )
         if self.trainer.local_sgd_period and self.trainer.comm_hook not in ("none",):
             raise ConfigError(
                 f"trainer.local_sgd_period cannot be combined with trainer.comm_hook={self.trainer.comm_hook}"
             )
+
+
+_GROUPS = {ModelConfig: "model", DataConfig: "data", OptimConfig: "optim", TrainerConfig: "trainer"}

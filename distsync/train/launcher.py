@@ -79,14 +79,20 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     return train_cfg
 
 
+class JobFailed(RuntimeError):
+    """A job of a ``-m`` sweep failed: Hydra records it, runs the remaining jobs, then exits non-zero."""
+
+
 def _fail(message: str, error: BaseException | None = None) -> None:
-    """Exit non-zero with a short message, or re-raise with HYDRA_FULL_ERROR=1."""
+    """Exit non-zero with a short message (fail the job, in a sweep), or re-raise with HYDRA_FULL_ERROR=1."""
     if error is not None and os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise error
     sys.stderr.write(f"Error: {message}\n")
     if error is not None:
         sys.stderr.write("Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n")
     sys.stderr.flush()
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        raise JobFailed(message) from None  # SystemExit would end the whole sweep here
     raise SystemExit(1)
 
 
