@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 __all__ = [
     "checkpoint_dir",
     "save_checkpoint",
-    "latest_checkpoint",
+    "newest_loadable_checkpoint",
     "load_checkpoint",
     "rng_state",
     "set_rng_state",
@@ -36,10 +37,14 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict, keep: in
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:08d}.pt"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not stay full of a partial checkpoint
+        raise
     for old in _checkpoints(directory)[:-keep]:
         old.unlink(missing_ok=True)
     return path
@@ -52,10 +57,21 @@ def _checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint with the highest step in ``run_dir``, or None."""
-    found = _checkpoints(checkpoint_dir(run_dir))
-    return found[-1] if found else None
+def newest_loadable_checkpoint(
+    run_dir: str | os.PathLike, skipped: Callable[[Path, Exception], None]
+) -> tuple[Path, dict] | None:
+    """The newest checkpoint of ``run_dir`` that loads, and its state; ``skipped(path, error)`` hears of
+    each newer one that did not.
+
+    A truncated, empty or garbled newest file (a crash or a full disk mid-write by other means than
+    :func:`save_checkpoint`) then costs the steps since the previous checkpoint, not the run.
+    """
+    for path in reversed(_checkpoints(checkpoint_dir(run_dir))):
+        try:
+            return path, load_checkpoint(path)
+        except Exception as error:  # any unreadable file: fall back to an older one
+            skipped(path, error)
+    return None
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:

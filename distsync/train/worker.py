@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 import distsync
 from distsync.distributed import get_rank, get_world_size, is_distributed
 
-from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import load_checkpoint, newest_loadable_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .comm import CommSetup
 from .config import TrainConfig
 from .data import ShardedBatches, load_data, shard_indices
@@ -108,13 +108,16 @@ class _Trainer:
         self.comm.register_hook(ddp, self.step)
         return ddp
 
+    def _skipped_checkpoint(self, path, error: Exception) -> None:
+        self.log.warning("skipped checkpoint %s, which does not load (%s): trying an older one", path, error)
+
     def _resume(self) -> None:
         """Load the newest checkpoint rank 0 sees (every rank the same one)."""
-        path = latest_checkpoint(self.run_dir) if self.rank == 0 else None
-        path = _broadcast_object(str(path) if path else None)
+        found = newest_loadable_checkpoint(self.run_dir, self._skipped_checkpoint) if self.rank == 0 else None
+        path = _broadcast_object(str(found[0]) if found else None)
         if path is None:
             return
-        state = load_checkpoint(path)
+        state = found[1] if found else load_checkpoint(path)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
