@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,22 @@ def test_rng_state_round_trip():
     a = torch.rand(3)
     set_rng_state(state)
     assert torch.equal(torch.rand(3), a)
+
+
+def test_metrics_that_are_not_finite_are_written_as_strict_json(tmp_path):
+    from distsync.train.metrics import MetricsLog, write_json_atomic
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in strict JSON"))
+
+    write_json_atomic(
+        tmp_path / "summary.json", {"final_loss": float("nan"), "steps": 3, "curve": [1.0, float("inf")]}
+    )
+    assert strict((tmp_path / "summary.json").read_text()) == {
+        "final_loss": None,
+        "steps": 3,
+        "curve": [1.0, None],
+    }
+    log = MetricsLog(tmp_path / "metrics.jsonl", enabled=True)
+    log.write(kind="train", step=1, loss=float("nan"))
+    assert strict((tmp_path / "metrics.jsonl").read_text())["loss"] is None

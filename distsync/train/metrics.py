@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -23,7 +24,7 @@ class MetricsLog:
     def write(self, **row) -> None:
         if self.enabled:
             with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+                f.write(_strict_json(row) + "\n")
 
     def truncate(self, step: int) -> None:
         """Keep only the rows of steps ``<= step``."""
@@ -46,7 +47,22 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
 
 
 def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2) + "\n")
+    write_text_atomic(path, _strict_json(data, indent=2) + "\n")
+
+
+def _strict_json(data: dict, indent: int | None = None) -> str:
+    """JSON that strict parsers read: a metric that is not finite (a diverged loss) is written as null."""
+    return json.dumps(_finite_or_none(data), indent=indent, allow_nan=False)
+
+
+def _finite_or_none(value):
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_or_none(v) for v in value]
+    return value
 
 
 def plot_curves(rows: list[dict], path: str | os.PathLike, title: str = "") -> None:
@@ -59,9 +75,10 @@ def plot_curves(rows: list[dict], path: str | os.PathLike, title: str = "") -> N
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    few = len(train) <= 20  # with few points, markers show where each one is
+    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], "o-" if few else "-", label="train")
     ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out")
-    ax_loss.set(xlabel="step", ylabel="cross-entropy", title="loss")
+    ax_loss.set(xlabel="step", ylabel="cross-entropy", title="loss", yscale="log")
     ax_loss.legend()
     ax_acc.plot([r["step"] for r in evals], [100 * r["accuracy"] for r in evals], "o-")
     ax_acc.set(xlabel="step", ylabel="%", title="held-out accuracy")
