@@ -98,3 +98,19 @@ def test_non_finite_values_are_refused(override):
     key = override.split("=")[0]
     with pytest.raises(ConfigError, match=rf"^{key} must be finite"):
         _compose(override)
+
+
+def test_backends_this_machine_cannot_run_are_refused_before_launch(monkeypatch):
+    import torch
+
+    from distsync.train.launcher import _check_environment
+
+    with pytest.raises(ConfigError, match="trainer.backend must be one of auto, .*gloo.* \\(got 'foo'\\)"):
+        _check_environment(_compose("trainer.backend=foo"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="trainer.backend=nccl needs CUDA GPUs"):
+        _check_environment(_compose("trainer.backend=nccl"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="trainer.nproc_per_node=2 but this node has 1 GPU"):
+        _check_environment(_compose("trainer.backend=nccl"))

@@ -186,6 +186,20 @@ def _check_environment(cfg: TrainConfig) -> None:
         )
     if cfg.trainer.comm_hook == "bf16" and world > 1 and not torch.cuda.is_available():
         raise ConfigError("trainer.comm_hook=bf16 needs CUDA with NCCL 2.10+; use fp16 or powersgd on CPU")
+    known = ("auto", *(name for name in torch.distributed.Backend.backend_list if name != "undefined"))
+    if cfg.trainer.backend not in known:
+        raise ConfigError(f"trainer.backend must be one of {', '.join(known)} (got {cfg.trainer.backend!r})")
+    if cfg.trainer.backend == "nccl":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
+            raise ConfigError(
+                "trainer.backend=nccl needs CUDA GPUs, and this machine has none; use auto or gloo"
+            )
+        if cfg.trainer.nproc_per_node > gpus:
+            raise ConfigError(
+                f"trainer.nproc_per_node={cfg.trainer.nproc_per_node} but this node has {gpus} GPU(s): NCCL "
+                "needs one GPU per process"
+            )
 
 
 # ------------------------------------------------------------------------------------------ elastic launch
