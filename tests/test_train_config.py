@@ -114,3 +114,20 @@ def test_backends_this_machine_cannot_run_are_refused_before_launch(monkeypatch)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match="trainer.nproc_per_node=2 but this node has 1 GPU"):
         _check_environment(_compose("trainer.backend=nccl"))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.batch_size=100000"], r"^data.batch_size must be at most 719 \(.*1438 training samples"),
+        (["data.test_fraction=0.999"], r"^data.test_fraction=0.999 leaves 0 training samples"),
+        (["data=synthetic", "data.num_samples=2"], r"^data.batch_size must be at most 1 "),
+        (["trainer.seed=-1"], r"^trainer.seed must be in"),
+        (["data.image_size=100000"], r"^data.image_size must be in \[2, 512\]"),
+    ],
+)
+def test_data_and_seed_errors_are_found_before_any_worker_starts(overrides, message):
+    from distsync.train.launcher import _check_environment
+
+    with pytest.raises(ConfigError, match=message):
+        _check_environment(_compose(*overrides))

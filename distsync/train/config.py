@@ -82,7 +82,7 @@ class DataConfig:
         )
         _require(self.num_samples >= 2, "data.num_samples", "must be >= 2", self.num_samples)
         _require(self.num_classes >= 2, "data.num_classes", "must be >= 2", self.num_classes)
-        _require(self.image_size >= 2, "data.image_size", "must be >= 2", self.image_size)
+        _require(2 <= self.image_size <= 512, "data.image_size", "must be in [2, 512]", self.image_size)
         _require(self.noise >= 0.0, "data.noise", "must be >= 0", self.noise)
 
 
@@ -160,6 +160,8 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         _require(self.nproc_per_node >= 1, "trainer.nproc_per_node", "must be >= 1", self.nproc_per_node)
         _require(self.nnodes >= 1, "trainer.nnodes", "must be >= 1", self.nnodes)
+        # Rank r seeds NumPy with seed + r, which must stay below 2^32.
+        _require(0 <= self.seed < 2**32 - 2**16, "trainer.seed", "must be in [0, 2^32 - 2^16)", self.seed)
         _require(self.max_steps >= 1, "trainer.max_steps", "must be >= 1", self.max_steps)
         _require(self.max_restarts >= 0, "trainer.max_restarts", "must be >= 0", self.max_restarts)
         _require(

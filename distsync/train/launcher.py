@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 import uuid
+import warnings
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
@@ -186,6 +187,7 @@ def _check_environment(cfg: TrainConfig) -> None:
         )
     if cfg.trainer.comm_hook == "bf16" and world > 1 and not torch.cuda.is_available():
         raise ConfigError("trainer.comm_hook=bf16 needs CUDA with NCCL 2.10+; use fp16 or powersgd on CPU")
+    _check_data(cfg, world)
     known = ("auto", *(name for name in torch.distributed.Backend.backend_list if name != "undefined"))
     if cfg.trainer.backend not in known:
         raise ConfigError(f"trainer.backend must be one of {', '.join(known)} (got {cfg.trainer.backend!r})")
@@ -200,6 +202,26 @@ def _check_environment(cfg: TrainConfig) -> None:
                 f"trainer.nproc_per_node={cfg.trainer.nproc_per_node} but this node has {gpus} GPU(s): NCCL "
                 "needs one GPU per process"
             )
+
+
+def _check_data(cfg: TrainConfig, world: int) -> None:
+    """What the workers would find wrong with the data, found here so no world starts (or restarts) for it."""
+    from .data import load_data
+
+    with warnings.catch_warnings():  # an empty split warns in load_data; the error below says more
+        warnings.simplefilter("ignore")
+        (_, train_labels), (_, test_labels), _ = load_data(cfg.data)
+    per_rank = len(train_labels) // world
+    split = f"data.test_fraction={cfg.data.test_fraction} leaves {len(train_labels)} training samples"
+    if per_rank == 0:
+        raise ConfigError(f"{split}, fewer than the {world} ranks")
+    if cfg.data.batch_size > per_rank:
+        raise ConfigError(
+            f"data.batch_size must be at most {per_rank} ({split}, {per_rank} per rank over {world} ranks) "
+            f"(got {cfg.data.batch_size})"
+        )
+    if len(test_labels) == 0:
+        raise ConfigError(f"data.test_fraction={cfg.data.test_fraction} leaves no held-out samples")
 
 
 # ------------------------------------------------------------------------------------------ elastic launch
