@@ -56,6 +56,7 @@ def run(cfg: TrainConfig, run_dir: str) -> dict:
         run_dir: the run directory, the same on every rank
     """
     started = time.time()
+    _die_with_parent()
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
@@ -317,6 +318,20 @@ def _schedule(cfg: TrainConfig):
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def _die_with_parent() -> None:
+    """Have the kernel kill this worker when its agent dies (Linux), so a SIGKILLed job leaves no workers
+    behind, stuck in a collective with nobody left to finish it."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _seed_everything(seed: int) -> None:
