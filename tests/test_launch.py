@@ -156,7 +156,8 @@ print(child.pid, flush=True)
 time.sleep(600)
 """
 _WORKER = (
-    "from distsync.train.worker import _die_with_parent; _die_with_parent(); import time; time.sleep(600)"
+    "from distsync.train.worker import _die_with_parent; _die_with_parent(); import time; "
+    "print('ready', flush=True); time.sleep(600)"
 )
 
 
@@ -167,7 +168,7 @@ def test_a_worker_dies_with_its_killed_agent():
         [sys.executable, "-c", _AGENT, _WORKER], stdout=subprocess.PIPE, text=True, env=_env()
     )
     worker = int(agent.stdout.readline())
-    time.sleep(3)  # let the worker import and ask for the signal
+    assert agent.stdout.readline().strip() == "ready"  # the worker has asked for the signal
     agent.kill()
     agent.wait()
     deadline = time.monotonic() + 10
