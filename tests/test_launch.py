@@ -178,3 +178,26 @@ def test_a_worker_dies_with_its_killed_agent():
     if alive:
         os.kill(worker, 9)
     assert not alive, "the worker outlived its agent"
+
+
+@pytest.mark.slow
+def test_the_wheel_alone_runs_the_training_job(tmp_path):
+    """pip install of the wheel (no checkout: no conf/, no launch/) is enough for distsync-train."""
+    wheels, venv, work = tmp_path / "wheels", tmp_path / "venv", tmp_path / "work"
+    work.mkdir()
+    quiet = ["-q", "--disable-pip-version-check"]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", *quiet, "--no-deps", "-w", wheels, ROOT], check=True
+    )
+    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
+    pip = [venv / "bin" / "python", "-m", "pip", "install", *quiet]
+    subprocess.run([*pip, "torch==2.13.0"], check=True)  # the CPU build; the wheel's range keeps it
+    (wheel,) = wheels.glob("distsync-*.whl")
+    subprocess.run([*pip, f"{wheel}[train]"], check=True)
+    assert "trainer: default, fast" in _run([venv / "bin" / "distsync-train", "--help"], work).stdout
+    run_dir = work / "run"
+    proc = _run(
+        [venv / "bin" / "distsync-train", f"hydra.run.dir={run_dir}", "trainer.max_steps=10", *FAST], work
+    )
+    assert proc.returncode == 0
+    assert _summary(run_dir)["steps"] == 10 and _summary(run_dir)["world_size"] == 2

@@ -21,6 +21,7 @@ import time
 import uuid
 import warnings
 
+import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -29,7 +30,15 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .config import ConfigError, TrainConfig
 
-__all__ = ["register_configs", "to_train_config", "prepare_argv", "hydra_main", "launch", "under_torchrun"]
+__all__ = [
+    "register_configs",
+    "to_train_config",
+    "prepare_argv",
+    "hydra_main",
+    "launch",
+    "under_torchrun",
+    "main",
+]
 
 _SCHEMA = "train_schema"
 
@@ -295,3 +304,17 @@ def _slurm_first_host_and_id() -> tuple[str, str]:
             check=True,
         ).stdout.split()
         return nodes[0] if nodes else socket.gethostname(), os.environ["SLURM_JOB_ID"]
+
+
+# ------------------------------------------------------------------------------------------- console script
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def _packaged_task(cfg: DictConfig) -> float:
+    return hydra_main(cfg)
+
+
+def main() -> None:
+    """``distsync-train``: the training job of ``launch/train.py``, from the configs inside the package."""
+    prepare_argv()
+    _packaged_task()

@@ -1,0 +1,1 @@
+"""The training job's Hydra configs, shipped inside the package (see docs/training.md)."""
