@@ -108,7 +108,7 @@ class DistSyncBatchNorm(_BatchNorm):
 
     eps_mode = "plus"
     """How eps enters the synchronized statistics: ``"plus"``, ``sqrt(var + eps)`` (``nn.BatchNorm``), or
-    ``"clip"``, ``sqrt(max(var, eps))`` (Synchronized-BatchNorm's default; see ``distsync.parallel``)."""
+    ``"clamp"``, ``sqrt(max(var, eps))`` (Synchronized-BatchNorm's default; see ``distsync.parallel``)."""
 
     # Buffers that vendored Synchronized-BatchNorm forks keep next to the running statistics (for their own
     # bias-corrected running average, already folded into running_mean/var): dropped on load.
@@ -194,7 +194,7 @@ class DistSyncBatchNorm(_BatchNorm):
             self.num_batches_tracked if update_running else None,
             self.momentum,
             self.eps,
-            self.eps_mode == "clip",
+            self.eps_mode == "clamp",
             self.num_features,
             reducer,
             state,

@@ -174,7 +174,7 @@ def _encoding_signature(rank, world_size):
 
 
 def _clip_mode(rank, world_size):
-    """eps_mode='clip' (Synchronized-BatchNorm's default): std = sqrt(max(var, eps)) when synchronized."""
+    """eps_mode='clamp' (Synchronized-BatchNorm's default): std = sqrt(max(var, eps)) when synchronized."""
     gen = torch.Generator().manual_seed(0)
     full = torch.randn(8, 3, 5, dtype=torch.float64, generator=gen)
     full[:, 0] *= 1e-4  # variance 1e-8, far below eps: clipped
@@ -187,7 +187,7 @@ def _clip_mode(rank, world_size):
     expected.backward(dy)
     rows = slice(4 * rank, 4 * rank + 4)
     layer = distsync.DistSyncBatchNorm1d(3, eps=eps, affine=False, dtype=torch.float64)
-    layer.eps_mode = "clip"
+    layer.eps_mode = "clamp"
     x = full.detach()[rows].clone().requires_grad_()
     out = layer(x)
     out.backward(dy[rows])
@@ -218,3 +218,17 @@ def test_infinite_inputs_give_the_running_stats_nn_batchnorm_gives():
         for expected, actual in pairs:
             assert torch.equal(expected.isnan(), actual.isnan())
             assert torch.equal(expected.nan_to_num(), actual.nan_to_num())
+
+
+def _half_buffers_cumulative_average(rank, world_size):
+    """momentum=None on a model.half() layer: the 1 / num_batches_tracked weight must not underflow."""
+    layer = distsync.DistSyncBatchNorm1d(2, momentum=None).half()
+    layer.num_batches_tracked.fill_(10**8)  # 1e-8 underflows to 0 in float16 (smallest subnormal 6e-8)
+    x = (torch.randn(4, 2, generator=torch.Generator().manual_seed(rank)) + 1000).half()
+    layer(x)
+    return layer.running_mean.float().tolist()
+
+
+def test_half_buffers_keep_the_cumulative_average_moving():
+    for running_mean in run_world(_half_buffers_cumulative_average, 2):
+        assert all(0 < value < 1e-3 for value in running_mean), running_mean  # about 1000 / 1e8

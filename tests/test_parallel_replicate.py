@@ -40,7 +40,7 @@ def _plus_eps_mode():
     """These tests compare the transport with nn.BatchNorm's arithmetic, sqrt(var + eps)."""
     set_sbn_eps_mode("plus")
     yield
-    set_sbn_eps_mode("clip")
+    set_sbn_eps_mode("clamp")
 
 
 def _cpu_broadcast(tensors, devices, detach=False):

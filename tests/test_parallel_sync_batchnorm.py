@@ -23,21 +23,21 @@ def _eps_modes(rank, world_size):
     mean = full.mean((0, 2), keepdim=True)
     var = full.var((0, 2), unbiased=False, keepdim=True)
     errors = {}
-    for mode, std in (("clip", var.clamp(min=1e-5).sqrt()), ("plus", (var + 1e-5).sqrt())):
+    for mode, std in (("clamp", var.clamp(min=1e-5).sqrt()), ("plus", (var + 1e-5).sqrt())):
         set_sbn_eps_mode(mode)
         layer = SynchronizedBatchNorm1d(3, affine=False, dtype=torch.float64)
         out = layer(full[rows])
         expected = ((full - mean) / std)[rows]
         errors[mode] = ((out - expected).norm() / expected.norm()).item()
-    set_sbn_eps_mode("clip")
+    set_sbn_eps_mode("clamp")
     return errors
 
 
 def test_eps_modes_follow_the_switch_and_default_to_clip():
-    assert SynchronizedBatchNorm2d(3).eps_mode == "clip"  # Synchronized-BatchNorm's default
+    assert SynchronizedBatchNorm2d(3).eps_mode == "clamp"  # Synchronized-BatchNorm's default
     assert distsync.DistSyncBatchNorm2d(3).eps_mode == "plus"  # nn.BatchNorm's, untouched by the switch
     for errors in run_world(_eps_modes, 2):
-        assert errors["clip"] < 1e-12 and errors["plus"] < 1e-12, errors
+        assert errors["clamp"] < 1e-12 and errors["plus"] < 1e-12, errors
     with pytest.raises(ValueError, match="unknown eps mode 'max'"):
         set_sbn_eps_mode("max")
 

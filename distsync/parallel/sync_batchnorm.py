@@ -1,10 +1,11 @@
 """Synchronized-BatchNorm's batch-norm names: the layers, ``set_sbn_eps_mode`` and ``patch_sync_batchnorm``.
 
-vacancy's Synchronized-BatchNorm computes the synchronized standard deviation as ``sqrt(max(var, eps))``
-(``"clip"``) by default, where ``nn.BatchNorm`` uses ``sqrt(var + eps)`` (``"plus"``), and reads the mode from
-a process-wide switch at every call. Its layers here do the same, so a migrated model trains as before;
-``distsync.DistSyncBatchNorm*d`` are untouched by the switch. As in the source library, the mode applies to
-synchronized training; eval mode and unsynchronized calls use ``var + eps``.
+vacancy's Synchronized-BatchNorm computes the synchronized standard deviation as
+``sqrt(max(var, eps))`` (``"clamp"``) by default, where ``nn.BatchNorm`` uses ``sqrt(var + eps)``
+(``"plus"``), and reads the mode from a process-wide switch at every call. Its layers here do the same,
+so a migrated model trains as before; ``distsync.DistSyncBatchNorm*d`` are untouched by the switch. As in
+the source library, the mode applies to synchronized training; eval mode and unsynchronized calls use
+``var + eps``.
 """
 
 from __future__ import annotations
@@ -24,16 +25,16 @@ __all__ = [
     "set_sbn_eps_mode",
 ]
 
-_EPS_MODES = ("clip", "plus")
-_eps_mode = "clip"
+_EPS_MODES = ("clamp", "plus")
+_eps_mode = "clamp"
 
 
 def set_sbn_eps_mode(mode: str) -> None:
     """Choose how eps enters the synchronized statistics of the ``SynchronizedBatchNorm*d`` layers.
 
     Args:
-        mode: ``"clip"`` for ``sqrt(max(var, eps))`` (the default, as in Synchronized-BatchNorm) or ``"plus"``
-            for ``sqrt(var + eps)``, as ``nn.BatchNorm``. Read at every call, by every such layer.
+        mode: ``"clamp"`` for ``sqrt(max(var, eps))`` (the default, as in Synchronized-BatchNorm) or
+            ``"plus"`` for ``sqrt(var + eps)``, as ``nn.BatchNorm``. Read at every call, by every such layer.
     """
     global _eps_mode
     if mode not in _EPS_MODES:
