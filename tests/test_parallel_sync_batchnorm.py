@@ -33,7 +33,7 @@ def _eps_modes(rank, world_size):
     return errors
 
 
-def test_eps_modes_follow_the_switch_and_default_to_clip():
+def test_eps_modes_follow_the_switch_and_default_to_clamp():
     assert SynchronizedBatchNorm2d(3).eps_mode == "clamp"  # Synchronized-BatchNorm's default
     assert distsync.DistSyncBatchNorm2d(3).eps_mode == "plus"  # nn.BatchNorm's, untouched by the switch
     for errors in run_world(_eps_modes, 2):
