@@ -127,7 +127,7 @@ class SyncState:
         block, table = self._tables.get(key, (None, None))
         if block != call // _BLOCK:
             block = call // _BLOCK
-            layer = (tag.layer_id % modulus) if tag.layer_id else 0
+            layer = tag.layer_id % modulus
             table = _tail_table(layer, tag.direction, block * _BLOCK, world_size, first, device)
             self._tables[key] = (block, table)
         return table[call % _BLOCK]
