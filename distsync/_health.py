@@ -29,7 +29,6 @@ class _Pending:
     tail: Tensor  # the reduced tail, still on the device
     tag: CallTag
     world_size: int
-    problem: str | None
     training: bool
 
 
@@ -80,14 +79,15 @@ class _Monitor:
 def _raise_first(job: _InFlight) -> None:
     for call, tail in zip(job.calls, job.host.tolist(), strict=True):
         result = _moments.verdict(tail, call.world_size)
-        _moments.raise_for(result, call.tag, call.world_size, call.problem, call.training)
+        _moments.raise_for(result, call.tag, call.world_size, None, call.training)
 
 
 _monitor = _Monitor()
 
 
-def defer(tail: Tensor, tag: CallTag, world_size: int, problem: str | None, training: bool) -> None:
-    _monitor.defer(_Pending(tail, tag, world_size, problem, training))
+def defer(tail: Tensor, tag: CallTag, world_size: int, training: bool) -> None:
+    """Check a call's reduced ``tail`` later (a rank whose own input was rejected has raised already)."""
+    _monitor.defer(_Pending(tail, tag, world_size, training))
 
 
 def check_sync() -> None:

@@ -30,9 +30,9 @@ def _check(payload: Tensor, tag: CallTag, world_size: int, problem: str | None, 
     if payload.device.type == "cpu":
         _moments.raise_for(_moments.verdict(tail.tolist(), world_size), tag, world_size, problem, training)
         return
-    _health.defer(tail, tag, world_size, problem, training)
     if problem is not None:  # this rank knows already; the others learn it from the reduced flag
         raise ValueError(problem)
+    _health.defer(tail, tag, world_size, training)
 
 
 def _update_running_stats(
