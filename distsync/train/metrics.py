@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["MetricsLog", "json_safe", "write_json_atomic", "plot_curves"]
+__all__ = ["MetricsLog", "json_safe", "write_json_atomic", "plot_curves", "curves_figure"]
 
 
 def json_safe(value):
@@ -99,7 +99,16 @@ def _series(rows: list[dict], key: str, scale: float = 1.0, positive: bool = Fal
 
 
 def plot_curves(rows: list[dict], path: str | os.PathLike, title: str = "") -> None:
-    """Training and held-out loss (log axis) and held-out accuracy against the step, as a PNG.
+    """Save :func:`curves_figure` of ``rows`` as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(rows, title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def curves_figure(rows: list[dict], title: str = ""):
+    """Training and held-out loss (log axis) and held-out accuracy against the step, as a Figure.
 
     Non-finite values are left out; curves with few points show a marker on each.
     """
@@ -107,6 +116,7 @@ def plot_curves(rows: list[dict], path: str | os.PathLike, title: str = "") -> N
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
@@ -122,6 +132,12 @@ def plot_curves(rows: list[dict], path: str | os.PathLike, title: str = "") -> N
     plot(ax_loss, eval_steps, eval_losses, label="held-out")
     if losses or eval_losses:
         ax_loss.set_yscale("log")
+        # Plain numbers (0.5, not 5 x 10^-1); the minor ticks get labels when under two decades are shown.
+        shown = losses + eval_losses
+        plain = FuncFormatter(lambda value, _: f"{value:g}")
+        ax_loss.yaxis.set_major_formatter(plain)
+        if math.log10(max(shown) / min(shown)) < 2:
+            ax_loss.yaxis.set_minor_formatter(plain)
     ax_loss.set(xlabel="step", ylabel="cross-entropy (log scale)", title="loss")
     ax_loss.legend()
     plot(ax_acc, *_series(evals, "accuracy", scale=100.0), color="tab:green")
@@ -131,5 +147,4 @@ def plot_curves(rows: list[dict], path: str | os.PathLike, title: str = "") -> N
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -329,7 +329,8 @@ class _Trainer:
             plot_curves(
                 self.metrics.rows(),
                 self.run_dir / "curves.png",
-                title=f"{self.cfg.data.name}, norm={self.cfg.model.norm}, {self.world_size} ranks",
+                title=f"{self.cfg.data.name}, norm={self.cfg.model.norm}, "
+                f"{self.world_size} rank{'s' if self.world_size > 1 else ''}",
             )
             self.log.info(
                 "done: %d steps, accuracy %.4f, final loss %.4f, bn_buffers_in_sync=%s, %.1f s -> %s",
