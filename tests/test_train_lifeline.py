@@ -101,10 +101,16 @@ def test_child_dies_with_its_sigkilled_parent(mechanism):
 
 
 @pytest.mark.slow
-def test_workers_die_when_the_job_is_sigkilled(tmp_path):
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_workers_die_when_the_job_is_sigkilled(tmp_path, launcher):
+    """The agent is ``python launch/train.py`` itself (its workers come from torch.multiprocessing, whose
+    own PDEATHSIG is a SIGINT that a worker inside a collective never acts on), or ``torchrun`` (plain
+    subprocesses, no PDEATHSIG at all)."""
     run_dir = tmp_path / "run"
+    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node=2"] if launcher == "torchrun" else []
     args = [
         sys.executable,
+        *torchrun,
         str(ROOT / "launch" / "train.py"),
         f"hydra.run.dir={run_dir}",
         "trainer.max_steps=100000",
