@@ -94,10 +94,12 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     """Load a checkpoint written by :func:`save_checkpoint` onto the CPU.
 
     It holds NumPy RNG state, so it is loaded with ``weights_only=False``: only load your own run's files.
-    Raises ``ValueError`` if the file loads but is not a checkpoint (a key of :data:`REQUIRED_KEYS` is
-    missing).
     """
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _load_complete(path: Path) -> dict:
+    state = load_checkpoint(path)
     missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
     if missing:
         raise ValueError(f"not a distsync checkpoint (missing {', '.join(missing)})")
@@ -116,7 +118,7 @@ def load_newest_checkpoint(
     """
     for path in reversed(_checkpoints(checkpoint_dir(run_dir))):
         try:
-            return path, load_checkpoint(path)
+            return path, _load_complete(path)
         except Exception as error:  # any way a file can fail to unpickle
             aside = path.with_name(path.name + CORRUPT_SUFFIX)
             os.replace(path, aside)
