@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from distsync.train import TrainConfig, TrainerConfig, run
-from distsync.train.rundir import RunDirBusy, RunDirLock
+from distsync.train.rundir import HELD_ENV, RunDirBusy, RunDirLock, held_by_launcher
 
 
 def test_second_lock_fails_naming_the_holder(tmp_path):
@@ -63,3 +63,14 @@ def test_second_job_on_a_run_dir_fails_on_every_rank(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "RunDirBusy" in err and "is in use by pid" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
+
+
+def test_a_launcher_can_hold_the_lock_for_its_workers(tmp_path, monkeypatch):
+    monkeypatch.delenv(HELD_ENV, raising=False)
+    cfg = TrainConfig(trainer=TrainerConfig(max_steps=2, log_every=1, progress=False))
+    with RunDirLock(tmp_path, for_workers=True):
+        assert held_by_launcher(tmp_path) and not held_by_launcher(tmp_path / "other")
+        assert run(cfg, str(tmp_path))["steps"] == 2  # rank 0 does not lock it a second time
+        with pytest.raises(RunDirBusy):
+            RunDirLock(tmp_path).acquire()
+    assert HELD_ENV not in os.environ

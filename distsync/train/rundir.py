@@ -5,6 +5,10 @@ same second) would interleave ``metrics.jsonl`` and overwrite each other's check
 lock before anything is written; a second job fails at once, naming the holder. The kernel drops the lock
 when the holding process exits however it exits (SIGKILL included), so a stale ``.lock`` file never
 blocks a later job, and a world restarted by the elastic agent takes it again.
+
+A launching process can hold the lock instead, for the whole job including the agent's restarts, and fail
+a second job before any worker starts: ``RunDirLock(run_dir, for_workers=True)`` records the directory in
+the environment its workers inherit, and :func:`held_by_launcher` tells rank 0 not to lock it again.
 """
 
 from __future__ import annotations
@@ -16,9 +20,16 @@ import os
 import socket
 from pathlib import Path
 
-__all__ = ["RunDirBusy", "RunDirLock"]
+__all__ = ["RunDirBusy", "RunDirLock", "held_by_launcher"]
 
 LOCK_NAME = ".lock"
+HELD_ENV = "DISTSYNC_RUN_DIR_LOCKED"
+"""Set by a launching process that holds the lock of this (resolved) run directory for its workers."""
+
+
+def held_by_launcher(run_dir: str | os.PathLike) -> bool:
+    """True if the process that started this one holds ``run_dir``'s lock for it."""
+    return os.environ.get(HELD_ENV) == str(Path(run_dir).resolve())
 
 
 class RunDirBusy(RuntimeError):
@@ -30,6 +41,8 @@ class RunDirLock:
 
     Args:
         run_dir: the directory; created if missing
+        for_workers: also set :data:`HELD_ENV` while held, so that the workers this process starts
+            (which inherit the environment) know the lock is held for them. Default: False
 
     Example::
 
@@ -37,9 +50,10 @@ class RunDirLock:
         ...     train()
     """
 
-    def __init__(self, run_dir: str | os.PathLike) -> None:
+    def __init__(self, run_dir: str | os.PathLike, for_workers: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_NAME
+        self.for_workers = for_workers
         self._fd: int | None = None
 
     def acquire(self) -> RunDirLock:
@@ -61,11 +75,15 @@ class RunDirLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {started}\n".encode())
         self._fd = fd
+        if self.for_workers:
+            os.environ[HELD_ENV] = str(self.run_dir.resolve())
         return self
 
     def release(self) -> None:
         """Drop the lock (the file stays; it is only a lock target)."""
         if self._fd is not None:
+            if self.for_workers and held_by_launcher(self.run_dir):
+                del os.environ[HELD_ENV]
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

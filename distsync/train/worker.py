@@ -39,7 +39,7 @@ from .logs import console_quiet, init_logger
 from .metrics import MetricsLog, plot_curves, write_json_atomic
 from .model import all_norms_synced, batch_norms, build_model
 from .resume import ResumeError, check_resume
-from .rundir import RunDirBusy, RunDirLock
+from .rundir import RunDirBusy, RunDirLock, held_by_launcher
 
 __all__ = ["run"]
 
@@ -91,7 +91,7 @@ def run(cfg: TrainConfig, run_dir: str) -> dict:
 def _lock(run_dir: Path) -> RunDirLock | None:
     """Rank 0 locks ``run_dir`` before anything is written there; every rank raises if that failed."""
     lock, error = None, None
-    if get_rank() == 0:
+    if get_rank() == 0 and not held_by_launcher(run_dir):
         try:
             lock = RunDirLock(run_dir).acquire()
         except RunDirBusy as busy:
