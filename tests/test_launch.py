@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -147,37 +146,6 @@ def test_full_error_shows_the_traceback(tmp_path):
     proc = _run(args, tmp_path, timeout=60, HYDRA_FULL_ERROR="1")
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr and "trainer.nproc_per_node" in proc.stderr
-
-
-_AGENT = """
-import subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
-print(child.pid, flush=True)
-time.sleep(600)
-"""
-_WORKER = (
-    "from distsync.train.worker import _die_with_parent; _die_with_parent(); import time; "
-    "print('ready', flush=True); time.sleep(600)"
-)
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
-def test_a_worker_dies_with_its_killed_agent():
-    """A worker asleep (or stuck in a collective) notices nothing: the kernel must kill it with its agent."""
-    agent = subprocess.Popen(
-        [sys.executable, "-c", _AGENT, _WORKER], stdout=subprocess.PIPE, text=True, env=_env()
-    )
-    worker = int(agent.stdout.readline())
-    assert agent.stdout.readline().strip() == "ready"  # the worker has asked for the signal
-    agent.kill()
-    agent.wait()
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    alive = Path(f"/proc/{worker}").exists() and "zombie" not in Path(f"/proc/{worker}/status").read_text()
-    if alive:
-        os.kill(worker, 9)
-    assert not alive, "the worker outlived its agent"
 
 
 @pytest.mark.slow

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from distsync.train import DataConfig, TrainConfig, TrainerConfig
@@ -36,3 +38,30 @@ def test_training_converges(tmp_path, options):
     assert summary["bn_buffers_in_sync"] is True
     key = "comm_hook" if "comm_hook" in options else "local_sgd_period"
     assert summary[key] == options[key]
+
+
+def _train_losses(run_dir) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["kind"] == "train"]
+
+
+@pytest.mark.slow
+def test_post_local_sgd_resume_reproduces_the_uninterrupted_losses(tmp_path, monkeypatch):
+    """Between averagings every rank has its own model and momentum: a checkpoint must hold all of them."""
+    trainer = TrainerConfig(
+        max_steps=40,
+        max_restarts=1,
+        log_every=5,
+        eval_every=40,
+        checkpoint_every=20,  # not an averaging step: the ranks' models differ there
+        monitor_interval=0.2,
+        local_sgd_period=4,
+        local_sgd_warmup=10,
+    )
+    cfg = TrainConfig(data=DataConfig(batch_size=32), trainer=trainer)
+    straight = launch(cfg, str(tmp_path / "straight"))
+    monkeypatch.setenv("DISTSYNC_TEST_KILL_AT_STEP", "25")
+    resumed = launch(cfg, str(tmp_path / "resumed"))
+    assert straight["restarts"] == 0 and resumed["restarts"] == 1 and resumed["resumed_from_step"] == 20
+    assert _train_losses(tmp_path / "resumed") == _train_losses(tmp_path / "straight")
+    assert resumed["final_loss"] == straight["final_loss"] and resumed["accuracy"] == straight["accuracy"]

@@ -42,12 +42,11 @@ class CommSetup:
         if not self.local_sgd:
             return optimizer
         from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
-        from torch.distributed.optim import PostLocalSGDOptimizer
 
         averager = PeriodicModelAverager(
             period=self.trainer.local_sgd_period, warmup_steps=self.trainer.local_sgd_warmup
         )
-        return PostLocalSGDOptimizer(optim=optimizer, averager=averager)
+        return _resumable_post_local_sgd(optimizer, averager)
 
     def register_hook(self, ddp: DistributedDataParallel, step: int) -> None:
         """Register the comm hook on ``ddp``; ``step`` (non-zero after a resume) restores the hook's clock."""
@@ -78,3 +77,20 @@ class CommSetup:
             )
             self.hook_state.iter = step
             ddp.register_comm_hook(self.hook_state, powerSGD_hook.powerSGD_hook)
+
+
+def _resumable_post_local_sgd(optimizer: torch.optim.Optimizer, averager) -> torch.optim.Optimizer:
+    """A ``PostLocalSGDOptimizer`` whose ``param_groups`` stay the wrapped optimizer's after a resume.
+
+    ``PostLocalSGDOptimizer`` copies ``optim.param_groups`` once in its constructor, but
+    ``Optimizer.load_state_dict`` replaces that list: after loading a checkpoint, an LR scheduler would
+    set the learning rate on the stale groups while the optimizer kept stepping with the checkpoint's.
+    """
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    class ResumablePostLocalSGDOptimizer(PostLocalSGDOptimizer):
+        def load_state_dict(self, state_dict: dict) -> None:
+            super().load_state_dict(state_dict)
+            self.param_groups = self.optim.param_groups
+
+    return ResumablePostLocalSGDOptimizer(optim=optimizer, averager=averager)

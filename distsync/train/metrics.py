@@ -1,4 +1,8 @@
-"""Run outputs written by rank 0: ``metrics.jsonl``, ``summary.json`` and the ``curves.png`` plot."""
+"""Run outputs written by rank 0: ``metrics.jsonl``, ``summary.json`` and the ``curves.png`` plot.
+
+Everything is strict JSON: a metric that is not finite (a diverged loss) is written as ``null``, never as
+the bare ``NaN``/``Infinity`` that ``json.dumps`` emits by default and strict parsers reject.
+"""
 
 from __future__ import annotations
 
@@ -7,85 +11,140 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["MetricsLog", "write_json_atomic", "plot_curves"]
+__all__ = ["MetricsLog", "json_safe", "write_json_atomic", "plot_curves", "curves_figure"]
+
+
+def json_safe(value):
+    """``value`` with every non-finite float (at any depth of dicts, lists, tuples) replaced by None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _dumps(value, **kwargs) -> str:
+    return json.dumps(json_safe(value), allow_nan=False, **kwargs)
 
 
 class MetricsLog:
     """Append-only JSON lines, one per logging interval or evaluation; a no-op on ranks other than 0.
 
-    Rows carry ``kind`` (``train`` or ``eval``) and ``step``. After a resume, :meth:`truncate` drops the
-    rows a killed attempt wrote past the checkpoint, so every step appears once.
+    Rows carry ``kind`` (``train`` or ``eval``) and ``step``, and each ``(kind, step)`` appears once: after
+    a resume, :meth:`truncate` drops the rows a killed attempt wrote past the checkpoint, and :meth:`write`
+    skips a row whose ``(kind, step)`` is already in the file (the final evaluation of a finished run that
+    is started again).
     """
 
     def __init__(self, path: str | os.PathLike, enabled: bool) -> None:
         self.path = Path(path)
         self.enabled = enabled
+        self._written = {(r.get("kind"), r.get("step")) for r in self.rows()} if enabled else set()
 
     def write(self, **row) -> None:
-        if self.enabled:
+        key = (row.get("kind"), row.get("step"))
+        if self.enabled and key not in self._written:
             with open(self.path, "a") as f:
-                f.write(_strict_json(row) + "\n")
+                f.write(_dumps(row) + "\n")
+            self._written.add(key)
 
     def truncate(self, step: int) -> None:
-        """Keep only the rows of steps ``<= step``."""
-        if self.enabled and self.path.exists():
-            rows = [line for line in self.path.read_text().splitlines() if line.strip()]
-            kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
-            write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+        """Keep only the rows of steps ``<= step`` (all rows are dropped for a fresh start, ``step=0``)."""
+        if not (self.enabled and self.path.exists()):
+            return
+        kept = [r for r in self.rows() if r.get("step", 0) <= step]
+        write_text_atomic(self.path, "".join(_dumps(r) + "\n" for r in kept))
+        self._written = {(r.get("kind"), r.get("step")) for r in kept}
 
     def rows(self) -> list[dict]:
+        """The rows in the file; a line cut short by a crash mid-write is left out."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        rows = []
+        for line in self.path.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return [r for r in rows if isinstance(r, dict)]
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Replace ``path`` with ``text`` through a temporary file, which is removed if writing fails."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_json_atomic(path: str | os.PathLike, data: dict) -> None:
-    write_text_atomic(path, _strict_json(data, indent=2) + "\n")
+    """Write ``data`` as strict JSON (non-finite floats as null), atomically."""
+    write_text_atomic(path, _dumps(data, indent=2) + "\n")
 
 
-def _strict_json(data: dict, indent: int | None = None) -> str:
-    """JSON that strict parsers read: a metric that is not finite (a diverged loss) is written as null."""
-    return json.dumps(_finite_or_none(data), indent=indent, allow_nan=False)
+_MARKERS_UP_TO = 30
+"""Curves with at most this many points get a marker on each point."""
 
 
-def _finite_or_none(value):
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite_or_none(v) for v in value]
-    return value
+def _series(rows: list[dict], key: str, scale: float = 1.0, positive: bool = False):
+    points = [(r["step"], r.get(key)) for r in rows if isinstance(r.get(key), (int, float))]
+    points = [(s, v * scale) for s, v in points if math.isfinite(v) and (v > 0 or not positive)]
+    return [s for s, _ in points], [v for _, v in points]
 
 
 def plot_curves(rows: list[dict], path: str | os.PathLike, title: str = "") -> None:
-    """Training loss and held-out accuracy against the step, side by side, as a PNG."""
+    """Save :func:`curves_figure` of ``rows`` as a PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(rows, title)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def curves_figure(rows: list[dict], title: str = ""):
+    """Training and held-out loss (log axis) and held-out accuracy against the step, as a Figure.
+
+    Non-finite values are left out; curves with few points show a marker on each.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
-    few = len(train) <= 20  # with few points, markers show where each one is
-    ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], "o-" if few else "-", label="train")
-    ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="held-out")
-    ax_loss.set(xlabel="step", ylabel="cross-entropy", title="loss", yscale="log")
+
+    def plot(ax, steps, values, **kwargs):
+        marker = "o" if len(steps) <= _MARKERS_UP_TO else None
+        ax.plot(steps, values, marker=marker, markersize=4, **kwargs)
+
+    loss_steps, losses = _series(train, "loss", positive=True)
+    eval_steps, eval_losses = _series(evals, "eval_loss", positive=True)
+    plot(ax_loss, loss_steps, losses, label="train")
+    plot(ax_loss, eval_steps, eval_losses, label="held-out")
+    if losses or eval_losses:
+        ax_loss.set_yscale("log")
+        # Plain numbers (0.5, not 5 x 10^-1); the minor ticks get labels when under two decades are shown.
+        shown = losses + eval_losses
+        plain = FuncFormatter(lambda value, _: f"{value:g}")
+        ax_loss.yaxis.set_major_formatter(plain)
+        if math.log10(max(shown) / min(shown)) < 2:
+            ax_loss.yaxis.set_minor_formatter(plain)
+    ax_loss.set(xlabel="step", ylabel="cross-entropy (log scale)", title="loss")
     ax_loss.legend()
-    ax_acc.plot([r["step"] for r in evals], [100 * r["accuracy"] for r in evals], "o-")
+    plot(ax_acc, *_series(evals, "accuracy", scale=100.0), color="tab:green")
     ax_acc.set(xlabel="step", ylabel="%", title="held-out accuracy")
     for ax in (ax_loss, ax_acc):
-        ax.grid(alpha=0.3)
+        ax.grid(alpha=0.3, which="both")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig

@@ -23,13 +23,23 @@ from torch.nn.parallel import DistributedDataParallel
 import distsync
 from distsync.distributed import get_rank, get_world_size, is_distributed
 
-from .checkpoint import load_checkpoint, newest_loadable_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import (
+    load_checkpoint,
+    load_newest_checkpoint,
+    remove_stale_temporaries,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from .comm import CommSetup
 from .config import TrainConfig
 from .data import ShardedBatches, load_data, shard_indices
+from .lifeline import die_with_parent
 from .logs import console_quiet, init_logger
 from .metrics import MetricsLog, plot_curves, write_json_atomic
 from .model import all_norms_synced, batch_norms, build_model
+from .resume import ResumeError, check_resume
+from .rundir import RunDirBusy, RunDirLock, held_by_launcher
 
 __all__ = ["run"]
 
@@ -46,28 +56,51 @@ first attempt only (``TORCHELASTIC_RESTART_COUNT=0``). Used by the fault-toleran
 def run(cfg: TrainConfig, run_dir: str) -> dict:
     """Train under the torchrun environment (or single-process without one) and return the summary.
 
-    Joins the process group with :func:`distsync.init_distributed`, resumes from the newest checkpoint in
-    ``<run_dir>/checkpoints`` if there is one, trains until ``trainer.max_steps``, and on rank 0 writes
+    Joins the process group with :func:`distsync.init_distributed`, locks ``run_dir`` for this job
+    (:class:`~distsync.train.rundir.RunDirBusy` on every rank if another job holds it), resumes from the
+    newest checkpoint in ``<run_dir>/checkpoints`` that loads and that the config may continue
+    (:mod:`distsync.train.resume`), trains until ``trainer.max_steps``, and on rank 0 writes
     ``metrics.jsonl``, checkpoints, ``summary.json`` and ``curves.png`` under ``run_dir``. Every rank
-    returns the same summary (all its values are reduced across ranks).
+    returns the same summary (all its values are reduced across ranks). Started by an elastic agent, the
+    process dies with the agent (:func:`~distsync.train.lifeline.die_with_parent`).
 
     Args:
         cfg: the resolved configuration (a plain dataclass, picklable)
         run_dir: the run directory, the same on every rank
     """
     started = time.time()
-    _die_with_parent()
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
     if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     device = distsync.init_distributed(
         cfg.trainer.backend, timeout=datetime.timedelta(seconds=cfg.trainer.timeout_s)
     )
+    lock = None
     try:
+        lock = _lock(Path(run_dir))
         return _Trainer(cfg, Path(run_dir), device, started).fit()
     finally:
+        if lock is not None:
+            lock.release()
         if is_distributed():
             dist.destroy_process_group()
+
+
+def _lock(run_dir: Path) -> RunDirLock | None:
+    """Rank 0 locks ``run_dir`` before anything is written there; every rank raises if that failed."""
+    lock, error = None, None
+    if get_rank() == 0 and not held_by_launcher(run_dir):
+        try:
+            lock = RunDirLock(run_dir).acquire()
+        except RunDirBusy as busy:
+            error = str(busy)
+            print(f"Error: {error}", file=sys.stderr, flush=True)
+    error = _broadcast_object(error)
+    if error:
+        raise RunDirBusy(error)
+    return lock
 
 
 class _Trainer:
@@ -77,6 +110,9 @@ class _Trainer:
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.log = init_logger(run_dir, self.rank)
         t = cfg.trainer
+        if self.rank == 0:  # under the run directory's lock: no other job is writing
+            for tmp in remove_stale_temporaries(run_dir):
+                self.log.warning("removed %s, left by a checkpoint save that was interrupted", tmp.name)
 
         torch.manual_seed(t.seed)  # the same initial model on every rank
         train, self.test, num_classes = load_data(cfg.data)
@@ -90,8 +126,10 @@ class _Trainer:
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=self.rank == 0)
         self.step, self.last_loss, self.resumed_from = 0, math.nan, None
         self.first_started = started
-        self._resume()
+        local_states = self._resume()
         self.ddp = self._wrap_ddp()
+        if local_states is not None:  # after DDP's constructor, which copies rank 0's parameters everywhere
+            self.model.load_state_dict(local_states["model"])
 
     # ------------------------------------------------------------------------------------------- setup
 
@@ -109,30 +147,54 @@ class _Trainer:
         self.comm.register_hook(ddp, self.step)
         return ddp
 
-    def _skipped_checkpoint(self, path, error: Exception) -> None:
-        self.log.warning("skipped checkpoint %s, which does not load (%s): trying an older one", path, error)
+    def _resume(self) -> dict | None:
+        """Load the newest usable checkpoint (rank 0 chooses, every rank loads the same one).
 
-    def _resume(self) -> None:
-        """Load the newest checkpoint rank 0 sees (every rank the same one)."""
-        found = newest_loadable_checkpoint(self.run_dir, self._skipped_checkpoint) if self.rank == 0 else None
-        path = _broadcast_object(str(found[0]) if found else None)
+        Returns this rank's own model and optimizer state when the checkpoint holds one per rank
+        (post-local-SGD, where the ranks' models differ between averagings), for after the DDP wrap.
+        """
+        path, error, allowed = None, None, []
+        if self.rank == 0:
+            found = load_newest_checkpoint(self.run_dir, self.log)
+            if found is not None:
+                path, state = found
+                try:
+                    allowed = check_resume(
+                        state["config"], dataclasses.asdict(self.cfg), state["step"], str(path)
+                    )
+                except ResumeError as refused:
+                    error = str(refused)
+                    self.log.error("%s", error)
+                if allowed:
+                    self.log.info("resuming with changed settings: %s", ", ".join(allowed))
+        path, error = _broadcast_object((str(path) if path else None, error))
+        if error:
+            raise ResumeError(error)
         if path is None:
-            return
-        state = found[1] if found else load_checkpoint(path)
+            self.metrics.truncate(0)  # rows of an earlier attempt that never checkpointed
+            return None
+        if self.rank != 0:
+            state = load_checkpoint(path)
+        local = state.get("local")
+        same_world = len(state["rng"]) == self.world_size
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(
+            local[self.rank]["optimizer"] if local and same_world else state["optimizer"]
+        )
         self.scheduler.load_state_dict(state["scheduler"])
         self.batches.load_state_dict(state["batches"])
-        rngs = state["rng"]
-        if len(rngs) == self.world_size:
-            set_rng_state(rngs[self.rank])
+        if same_world:
+            set_rng_state(state["rng"][self.rank])
         else:
-            self.log.warning("checkpoint from %d ranks, now %d: RNG reseeded", len(rngs), self.world_size)
+            self.log.warning(
+                "checkpoint from %d ranks, now %d: RNG reseeded", len(state["rng"]), self.world_size
+            )
         self.step = self.resumed_from = int(state["step"])
         self.last_loss = state["last_loss"]
         self.first_started = state["started_at"]
         self.metrics.truncate(self.step)
         self.log.info("resumed from %s (step %d, restart %d)", path, self.step, self.restarts)
+        return local[self.rank] if local and same_world else None
 
     # ---------------------------------------------------------------------------------------- training
 
@@ -224,7 +286,10 @@ class _Trainer:
         return accuracy, eval_loss
 
     def _checkpoint(self) -> None:
-        rngs = _all_gather_object(rng_state())
+        mine = {"rng": rng_state()}
+        if self.comm.local_sgd:  # the ranks' models and optimizers differ between averagings
+            mine.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
+        ranks = _gather_object(mine)
         if self.rank != 0:
             return
         state = {
@@ -233,7 +298,8 @@ class _Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "batches": self.batches.state_dict(),
-            "rng": rngs,
+            "rng": [r.pop("rng") for r in ranks],
+            "local": ranks if self.comm.local_sgd else None,
             "last_loss": self.last_loss,
             "started_at": self.first_started,
             "world_size": self.world_size,
@@ -269,7 +335,8 @@ class _Trainer:
             plot_curves(
                 self.metrics.rows(),
                 self.run_dir / "curves.png",
-                title=f"{self.cfg.data.name}, norm={self.cfg.model.norm}, {self.world_size} ranks",
+                title=f"{self.cfg.data.name}, norm={self.cfg.model.norm}, "
+                f"{self.world_size} rank{'s' if self.world_size > 1 else ''}",
             )
             self.log.info(
                 "done: %d steps, accuracy %.4f, final loss %.4f, bn_buffers_in_sync=%s, %.1f s -> %s",
@@ -320,20 +387,6 @@ def _schedule(cfg: TrainConfig):
     return factor
 
 
-def _die_with_parent() -> None:
-    """Have the kernel kill this worker when its agent dies (Linux), so a SIGKILLed job leaves no workers
-    behind, stuck in a collective with nobody left to finish it."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:  # the agent died before the request took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -353,11 +406,12 @@ def _broadcast_object(obj):
     return holder[0]
 
 
-def _all_gather_object(obj) -> list:
+def _gather_object(obj) -> list | None:
+    """Every rank's ``obj`` on rank 0 (None elsewhere)."""
     if not is_distributed():
         return [obj]
-    out = [None] * get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * get_world_size() if get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
     return out
 
 

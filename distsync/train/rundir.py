@@ -1,0 +1,101 @@
+"""One job per run directory: an exclusive ``flock`` on ``<run_dir>/.lock`` for the life of the job.
+
+Two jobs given the same run directory (``hydra.run.dir``, or Hydra's timestamped default started in the
+same second) would interleave ``metrics.jsonl`` and overwrite each other's checkpoints. Rank 0 takes the
+lock before anything is written; a second job fails at once, naming the holder. The kernel drops the lock
+when the holding process exits however it exits (SIGKILL included), so a stale ``.lock`` file never
+blocks a later job, and a world restarted by the elastic agent takes it again.
+
+A launching process can hold the lock instead, for the whole job including the agent's restarts, and fail
+a second job before any worker starts: ``RunDirLock(run_dir, for_workers=True)`` records the directory in
+the environment its workers inherit, and :func:`held_by_launcher` tells rank 0 not to lock it again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+__all__ = ["RunDirBusy", "RunDirLock", "held_by_launcher"]
+
+LOCK_NAME = ".lock"
+HELD_ENV = "DISTSYNC_RUN_DIR_LOCKED"
+"""Set by a launching process that holds the lock of this (resolved) run directory for its workers."""
+
+
+def held_by_launcher(run_dir: str | os.PathLike) -> bool:
+    """True if the process that started this one holds ``run_dir``'s lock for it."""
+    return os.environ.get(HELD_ENV) == str(Path(run_dir).resolve())
+
+
+class RunDirBusy(RuntimeError):
+    """Another live job holds the run directory's lock."""
+
+
+class RunDirLock:
+    """An exclusive, non-blocking lock on a run directory, held until :meth:`release` or process exit.
+
+    Args:
+        run_dir: the directory; created if missing
+        for_workers: also set :data:`HELD_ENV` while held, so that the workers this process starts
+            (which inherit the environment) know the lock is held for them. Default: False
+
+    Example::
+
+        >>> with RunDirLock("outputs/run"):  # raises RunDirBusy if another job holds it
+        ...     train()
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, for_workers: bool = False) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self.for_workers = for_workers
+        self._fd: int | None = None
+
+    def acquire(self) -> RunDirLock:
+        """Take the lock, or raise :class:`RunDirBusy` naming the job that holds it."""
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as error:
+            os.close(fd)
+            if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            holder = self._holder() or "another job"
+            raise RunDirBusy(
+                f"run directory {self.run_dir} is in use by {holder}; wait for that job to finish or "
+                "use another run directory (hydra.run.dir=...)"
+            ) from None
+        started = datetime.datetime.now().isoformat(timespec="seconds")
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since {started}\n".encode())
+        self._fd = fd
+        if self.for_workers:
+            os.environ[HELD_ENV] = str(self.run_dir.resolve())
+        return self
+
+    def release(self) -> None:
+        """Drop the lock (the file stays; it is only a lock target)."""
+        if self._fd is not None:
+            if self.for_workers and held_by_launcher(self.run_dir):
+                del os.environ[HELD_ENV]
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def _holder(self) -> str:
+        try:
+            return self.path.read_text().strip()
+        except OSError:
+            return ""
+
+    def __enter__(self) -> RunDirLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

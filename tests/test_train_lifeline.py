@@ -1,0 +1,145 @@
+"""Workers die with the process that started them, even when it is SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def _alive(pid: int) -> bool:
+    """Running, and not a zombie waiting for a (possibly non-reaping) init to collect it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    state = next(line for line in status.splitlines() if line.startswith("State:"))
+    return "zombie" not in state and "dead" not in state
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+def _wait_gone(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.parametrize("mechanism", ["pdeathsig", "watchdog"])
+def test_child_dies_with_its_sigkilled_parent(mechanism):
+    child = textwrap.dedent(
+        f"""
+        import time
+        from distsync.train import lifeline
+        if {mechanism == "watchdog"}:
+            lifeline._PR_SET_PDEATHSIG = 0  # an invalid prctl option: the watchdog thread alone
+        lifeline.die_with_parent(poll_interval=0.2)
+        print("armed", flush=True)
+        time.sleep(60)
+        """
+    )
+    parent = textwrap.dedent(
+        f"""
+        import subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", {child!r}], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "armed"
+        print(child.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    child_pid = int(proc.stdout.readline())
+    try:
+        assert _alive(child_pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert _wait_gone([child_pid], 3.0) == []
+    finally:
+        _kill_all([child_pid])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_workers_die_when_the_job_is_sigkilled(tmp_path, launcher):
+    """The agent is ``python launch/train.py`` itself (its workers come from torch.multiprocessing, whose
+    own PDEATHSIG is a SIGINT that a worker inside a collective never acts on), or ``torchrun`` (plain
+    subprocesses, no PDEATHSIG at all)."""
+    run_dir = tmp_path / "run"
+    torchrun = ["-m", "torch.distributed.run", "--nproc_per_node=2"] if launcher == "torchrun" else []
+    args = [
+        sys.executable,
+        *torchrun,
+        str(ROOT / "launch" / "train.py"),
+        f"hydra.run.dir={run_dir}",
+        "trainer.max_steps=100000",
+        "trainer.log_every=5",
+        "trainer.checkpoint_every=100000",
+        "trainer.eval_every=100000",
+        "trainer.progress=false",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "DISTSYNC_TEST_"))}
+    proc = subprocess.Popen(
+        args,
+        cwd=tmp_path,
+        env=env | {"OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # both ranks are training
+            assert proc.poll() is None and time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.2)
+        workers = _descendants(proc.pid)
+        assert len(workers) >= 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert _wait_gone(workers, 5.0) == []
+    finally:
+        proc.kill()
+        proc.wait()
+        _kill_all(workers)

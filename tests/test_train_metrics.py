@@ -1,0 +1,82 @@
+"""metrics.jsonl and summary.json are strict JSON with every step once; curves.png reads well."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from distsync.train.metrics import MetricsLog, curves_figure, plot_curves, write_json_atomic
+
+
+def _strict(text: str):
+    def refuse(constant):
+        raise ValueError(f"non-standard JSON constant {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_metrics_are_written_as_null(tmp_path, bad):
+    log = MetricsLog(tmp_path / "metrics.jsonl", enabled=True)
+    log.write(kind="train", step=5, loss=bad, lr=0.1)
+    [row] = [_strict(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert row == {"kind": "train", "step": 5, "loss": None, "lr": 0.1}
+    write_json_atomic(tmp_path / "summary.json", {"final_loss": bad, "nested": [1.0, bad], "steps": 5})
+    summary = _strict((tmp_path / "summary.json").read_text())
+    assert summary == {"final_loss": None, "nested": [1.0, None], "steps": 5}
+
+
+def test_every_kind_and_step_is_written_once(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path, enabled=True)
+    for step in (5, 10, 15):
+        log.write(kind="train", step=step, loss=1.0 / step)
+    log.write(kind="eval", step=10, accuracy=0.5)
+    # A resumed attempt: rows past the checkpoint (step 10) go, the rows up to it stay and are not repeated.
+    resumed = MetricsLog(path, enabled=True)
+    resumed.truncate(10)
+    resumed.write(kind="eval", step=10, accuracy=0.5)
+    resumed.write(kind="train", step=15, loss=0.07)
+    rows = [_strict(line) for line in path.read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in rows] == [
+        ("train", 5),
+        ("train", 10),
+        ("eval", 10),
+        ("train", 15),
+    ]
+    assert rows[-1]["loss"] == 0.07
+
+
+def test_a_line_cut_short_by_a_crash_is_dropped(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 5, "loss": 1.0}\n{"kind": "train", "st')
+    log = MetricsLog(path, enabled=True)
+    log.truncate(5)
+    assert log.rows() == [{"kind": "train", "step": 5, "loss": 1.0}]
+
+
+def test_disabled_log_writes_nothing(tmp_path):
+    MetricsLog(tmp_path / "metrics.jsonl", enabled=False).write(kind="train", step=1, loss=1.0)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _rows(n_train: int) -> list[dict]:
+    rows = [{"kind": "train", "step": 5 * (i + 1), "loss": 2.0 * 0.8**i} for i in range(n_train)]
+    rows += [{"kind": "eval", "step": 50, "accuracy": 0.9, "eval_loss": 0.3}]
+    return rows + [{"kind": "train", "step": 5 * (n_train + 1), "loss": None}]  # a diverged interval
+
+
+def test_loss_is_on_a_log_axis_with_markers_when_few_points(tmp_path):
+    fig = curves_figure(_rows(8))
+    ax_loss, ax_acc = fig.axes
+    assert ax_loss.get_yscale() == "log"
+    train_line = ax_loss.get_lines()[0]
+    assert train_line.get_marker() == "o"
+    assert len(train_line.get_xdata()) == 8  # the null loss is left out
+    assert ax_acc.get_lines()[0].get_marker() == "o"
+    many = curves_figure(_rows(200)).axes[0].get_lines()[0]
+    assert many.get_marker() in (None, "None", "")
+    plot_curves(_rows(8), tmp_path / "curves.png", title="t")
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
