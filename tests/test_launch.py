@@ -122,6 +122,31 @@ def test_killed_worker_is_restarted_and_resumes(tmp_path):
     assert "resumed from" in (run_dir / "logs" / "rank1.log").read_text()
 
 
+@pytest.mark.slow
+def test_external_torchrun_honours_the_run_dir_of_a_config_file(tmp_path):
+    (tmp_path / "exps").mkdir()
+    (tmp_path / "exps" / "exp.yaml").write_text(
+        "defaults:\n  - config\n  - _self_\nhydra:\n  run:\n    dir: runs/exp1\n"
+    )
+    args = ["--config-dir", "exps", "--config-name", "exp", "trainer.max_steps=5", *FAST]
+    proc = _run([*TORCHRUN, *args], tmp_path)
+    assert proc.returncode == 0
+    assert _summary(tmp_path / "runs" / "exp1")["world_size"] == 2
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
+def test_rerun_with_another_model_is_refused_once_without_restarts(tmp_path):
+    run_dir = tmp_path / "run"
+    first = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", "trainer.max_steps=10", *FAST]
+    assert _run(first, tmp_path).returncode == 0
+    proc = _run([*first, "model.channels=[8,8]", "trainer.max_restarts=3"], tmp_path, timeout=60)
+    assert proc.returncode != 0
+    # Said once, by the launcher: no world was started, so the agent had nothing to restart.
+    assert proc.stderr.count("model.channels: [32, 64, 64] -> [8, 8]") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
@@ -129,6 +154,9 @@ def test_killed_worker_is_restarted_and_resumes(tmp_path):
         ("trainer.nproc_per_node=0", "trainer.nproc_per_node"),
         ("trainer.max_steps=???", "trainer.max_steps"),
         ("model.norm=bogus", "model.norm"),
+        ("trainer.bogus=1", "trainer.bogus"),
+        ("+trainer.foo=1", "trainer.foo"),
+        ("optim=nosuch", "optim/nosuch' (available options in 'optim': adamw, sgd)"),
     ],
 )
 def test_bad_override_exits_with_a_short_message(tmp_path, override, key):
@@ -136,7 +164,9 @@ def test_bad_override_exits_with_a_short_message(tmp_path, override, key):
         [sys.executable, str(SCRIPT), f"hydra.run.dir={tmp_path / 'run'}", override], tmp_path, timeout=60
     )
     assert proc.returncode != 0
-    assert key in proc.stderr
+    error, *rest = proc.stderr.splitlines()
+    assert error.startswith("Error: ") and key in error, proc.stderr
+    assert all("HYDRA_FULL_ERROR" in line for line in rest)  # one line, and perhaps Hydra's hint
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "run" / "summary.json").exists()
 

@@ -51,17 +51,17 @@ def test_run_refuses_a_run_dir_in_use_and_writes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
 
 
-@pytest.mark.slow
-def test_second_job_on_a_run_dir_fails_on_every_rank(tmp_path, capsys):
+def test_second_job_is_refused_before_any_worker_starts(tmp_path, capsys):
     from distsync.train.launcher import launch
 
     cfg = TrainConfig(
-        trainer=TrainerConfig(max_steps=5, max_restarts=0, monitor_interval=0.2, progress=False)
+        trainer=TrainerConfig(max_steps=5, max_restarts=3, monitor_interval=0.2, progress=False)
     )
     with RunDirLock(tmp_path), pytest.raises(SystemExit):
         launch(cfg, str(tmp_path))
     err = capsys.readouterr().err
-    assert "RunDirBusy" in err and "is in use by pid" in err
+    # Said once: no world was started, so the agent had nothing to restart.
+    assert err.count("is in use by pid") == 1 and "Traceback" not in err
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock"]
 
 

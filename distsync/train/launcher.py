@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
+import logging
 import os
 import socket
 import sys
@@ -29,11 +31,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from .config import ConfigError, TrainConfig
+from .resume import check_resume
+from .rundir import RunDirBusy, RunDirLock
 
 __all__ = [
     "register_configs",
     "to_train_config",
     "prepare_argv",
+    "default_run_dir",
     "hydra_main",
     "launch",
     "under_torchrun",
@@ -114,34 +119,84 @@ _WAIT_FOR_RANK0_S = 60.0
 
 
 def prepare_argv(argv: list[str] | None = None) -> None:
-    """Adjust Hydra's command line in a worker of an external ``torchrun``; a no-op otherwise.
+    """Check Hydra's command line, and adjust it in a worker of an external ``torchrun``.
 
-    Refuses ``-m``/``--multirun`` (a sweep would start one world per job inside a world). Unless
-    ``hydra.run.dir`` is given, every rank gets the same timestamped run directory: the first rank to ask
-    the torchrun agent's store decides, the others (and restarted workers) read it back. Only rank 0 keeps
-    ``hydra.output_subdir``, so ``.hydra/`` is written once.
+    Composes the config of a single run once first, so that an override Hydra cannot apply (a wrong
+    type, an unknown key or option) fails with one line naming it rather than Hydra's multi-line dump.
+    Refuses ``-m``/``--multirun`` (a sweep would start one world per job inside a world). Only rank 0
+    keeps ``hydra.output_subdir``, so ``.hydra/`` is written once. (The default run directory is shared by
+    :func:`default_run_dir`, so a ``hydra.run.dir`` from the command line or a config file still wins.)
     """
     argv = sys.argv if argv is None else argv
+    error = _override_error(argv)
+    if error:
+        _refuse(error)
     if not under_torchrun():
         return
     if any(arg in ("-m", "--multirun") or arg.startswith("hydra.mode=") for arg in argv[1:]):
-        if int(os.environ.get("RANK", "0")) != 0:
-            # Rank 0 says why. Exiting first would let torchrun stop rank 0 before it does.
-            time.sleep(_WAIT_FOR_RANK0_S)
-            raise SystemExit(1)
-        _fail(
+        _refuse(
             "-m/--multirun cannot run under an external torchrun: every sweep job starts its own torchrun "
             "world. Run the sweep without torchrun: python launch/train.py -m ..."
         )
-    if not any(arg.startswith(("hydra.run.dir=", "+hydra.run.dir=")) for arg in argv[1:]):
-        argv.append(f"hydra.run.dir={_shared_run_dir()}")
     if int(os.environ.get("RANK", "0")) != 0:
         argv.append("hydra.output_subdir=null")
 
 
-def _shared_run_dir() -> str:
-    """Hydra's default ``outputs/<date>/<time>``, chosen once per torchrun job through the agent's store."""
+def _refuse(message: str) -> None:
+    """Exit with ``message``; under torchrun rank 0 says it and the other ranks wait to be stopped."""
+    if under_torchrun() and int(os.environ.get("RANK", "0")) != 0:
+        # Exiting first would let torchrun stop rank 0 before it says why.
+        time.sleep(_WAIT_FOR_RANK0_S)
+        raise SystemExit(1)
+    _fail(message)
+
+
+def _override_error(argv: list[str]) -> str | None:
+    """Why Hydra would fail to compose this command line's config, in one line; None if it composes.
+
+    Only single runs of the packaged configs are checked (a sweep's values are composed job by job, and
+    ``--config-path`` moves the configs); ``HYDRA_FULL_ERROR=1`` leaves every error to Hydra.
+    """
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser  # the parser @hydra.main itself uses
+
+    args, _ = get_args_parser().parse_known_args(argv[1:])
+    options = (args.help, args.hydra_help, args.cfg, args.info, args.shell_completion, args.multirun)
+    if any(options) or args.config_path or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return None
+    overrides = list(args.overrides)
+    if args.config_dir:
+        overrides.append(f"hydra.searchpath=[file://{os.path.abspath(args.config_dir)}]")
+    if any(o.lstrip("+~").startswith("hydra.") and "=" in o and "," in o.split("=", 1)[1] for o in overrides):
+        return None  # a sweep of Hydra settings: leave it to Hydra
+    try:
+        with initialize_config_dir(config_dir=_CONF_DIR, version_base="1.3"):
+            compose(args.config_name or "config", overrides=overrides)
+    except Exception as error:  # Hydra's and OmegaConf's errors share no useful base class
+        cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
+        key = getattr(cause, "full_key", None)
+        lines = (getattr(cause, "msg", None) or str(cause)).strip().splitlines()
+        if len(lines) > 2 and lines[2].startswith("Available options"):  # an unknown group option
+            options = itertools.takewhile(lambda line: line.startswith("\t"), lines[3:])
+            lines[0] += f" ({lines[2].rstrip(':').lower()}: {', '.join(o.strip() for o in options)})"
+        return f"{key}: {lines[0]}" if key else lines[0]
+    return None
+
+
+_CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+
+
+def default_run_dir() -> str:
+    """The default ``hydra.run.dir``: ``outputs/<date>/<time>``, the same on every rank of a torchrun job.
+
+    Outside torchrun it is Hydra's own default. Under torchrun the first rank to ask the agent's store
+    decides, and the other ranks (and restarted workers) read it back; without an agent store (etcd
+    rendezvous, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) it is ``outputs/torchrun/<run id>``.
+    Registered as the OmegaConf resolver ``${distsync_run_dir:}``, which ``conf/config.yaml`` uses.
+    """
     candidate = datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
+    if not under_torchrun():
+        return candidate
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return f"outputs/torchrun/{run_id}"
@@ -155,6 +210,9 @@ def _shared_run_dir() -> str:
     )
     # compare_set writes only when the key is absent, and returns the value that is stored in the end.
     return store.compare_set(f"distsync/run_dir/{run_id}", "", candidate).decode()
+
+
+OmegaConf.register_new_resolver("distsync_run_dir", default_run_dir, use_cache=True, replace=True)
 
 
 # ------------------------------------------------------------------------------------------- task function
@@ -178,7 +236,7 @@ def hydra_main(cfg: DictConfig) -> float:
     else:
         try:
             summary = launch(train_cfg, run_dir)
-        except ConfigError as error:
+        except ConfigError as error:  # ResumeError included
             _fail(str(error), error)
     return summary[train_cfg.trainer.metric]
 
@@ -265,12 +323,42 @@ def launch(cfg: TrainConfig, run_dir: str) -> dict:
         monitor_interval=t.monitor_interval,
         start_method="spawn",
     )
-    os.makedirs(run_dir, exist_ok=True)
+    lock = _lock_for_workers(cfg, run_dir)
     try:
         results = elastic_launch(config, run)(cfg, os.path.abspath(run_dir))
     except ChildFailedError as error:
         _fail(f"training failed after {t.max_restarts} restart(s):\n{error.format_msg()}", error)
+    finally:
+        if lock is not None:
+            lock.release()
     return results[0] if 0 in results else next(iter(results.values()))
+
+
+def _lock_for_workers(cfg: TrainConfig, run_dir: str) -> RunDirLock | None:
+    """Lock ``run_dir`` and check that its checkpoint may be resumed, before any worker starts.
+
+    Both refusals are final: found in a worker, they would cost ``trainer.max_restarts`` futile restarts
+    of the world. With several nodes the agents of the other nodes may share the directory (a shared
+    filesystem), so there rank 0's worker takes the lock instead, as under an external torchrun.
+    """
+    from .checkpoint import load_newest_checkpoint
+
+    os.makedirs(run_dir, exist_ok=True)
+    if cfg.trainer.nnodes > 1:
+        return None
+    try:
+        lock = RunDirLock(run_dir, for_workers=True).acquire()
+    except RunDirBusy as busy:
+        _fail(str(busy))
+    try:
+        found = load_newest_checkpoint(run_dir, logging.getLogger("distsync.train"))
+        if found is not None:
+            path, state = found
+            check_resume(state["config"], dataclasses.asdict(cfg), state["step"], str(path))
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 def _rendezvous(cfg: TrainConfig) -> tuple[str, str]:
