@@ -1,7 +1,8 @@
 """A 2-process Lightning DDP fit on CPU with distsync's plugin (run by tests/test_lightning.py).
 
 Lightning's DDP launcher re-runs this script for rank 1. Each rank sees half of 8 samples; one step with
-momentum 1 leaves the global batch's statistics in the running buffers, which rank 0 writes as JSON.
+momentum 1 leaves the synchronized batch's statistics in the running buffers, which rank 0 writes as JSON.
+Usage: ``lightning_app.py OUT.json [GROUP_SIZE]``; with group size 1 each rank keeps its own statistics.
 """
 
 import json
@@ -21,10 +22,10 @@ class Model(pl.LightningModule):
     def __init__(self):
         super().__init__()
         self.bn = nn.BatchNorm1d(3, momentum=1.0)
-        self.seen = None
+        self.seen = self.batch = None
 
     def training_step(self, batch, index):
-        self.seen = type(self.bn).__name__
+        self.seen, self.batch = type(self.bn).__name__, batch[0]
         return self.bn(batch[0]).pow(2).sum()
 
     def configure_optimizers(self):
@@ -32,13 +33,14 @@ class Model(pl.LightningModule):
 
 
 if __name__ == "__main__":
+    GROUP_SIZE = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     model = Model()
     trainer = pl.Trainer(
         strategy="ddp",
         accelerator="cpu",
         devices=2,
         sync_batchnorm=True,
-        plugins=[DistSyncBatchNormPlugin()],
+        plugins=[DistSyncBatchNormPlugin(group_size=GROUP_SIZE)],
         max_steps=1,
         logger=False,
         enable_checkpointing=False,
@@ -52,8 +54,9 @@ if __name__ == "__main__":
             "layer_after_fit": type(model.bn).__name__,
             "running_mean": model.bn.running_mean.tolist(),
             "running_var": model.bn.running_var.tolist(),
-            "expected_mean": DATA.mean(0).tolist(),
-            "expected_var": DATA.var(0).tolist(),
+            # Synchronized: all 8 samples; in groups of 1: the 4 that rank 0 saw.
+            "expected_mean": (model.batch if GROUP_SIZE == 1 else DATA).mean(0).tolist(),
+            "expected_var": (model.batch if GROUP_SIZE == 1 else DATA).var(0).tolist(),
         }
         with open(sys.argv[1], "w") as out:
             json.dump(result, out)

@@ -55,3 +55,16 @@ def test_whole_world_and_bad_sizes_on_every_rank():
     for whole, message in run_world(_whole_world_and_error, 2):
         assert whole is None
         assert message == "group_size=3 must be a positive divisor of the world size 2"
+
+
+def _disagreeing_sizes(rank, world_size):
+    try:
+        distsync.create_syncbn_process_group(2 if rank == 0 else 4)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def test_ranks_that_disagree_on_the_group_size_all_raise():
+    for message in run_world(_disagreeing_sizes, 4):
+        assert message is not None and "disagree on group_size (from 2 to 4)" in message

@@ -11,12 +11,13 @@ import pytest
 pytest.importorskip("pytorch_lightning")
 
 
-def test_lightning_ddp_on_cpu_syncs_batch_norm(tmp_path):
+@pytest.mark.parametrize("group_size", [0, 1])
+def test_lightning_ddp_on_cpu_syncs_batch_norm(tmp_path, group_size):
     out = tmp_path / "result.json"
     app = Path(__file__).with_name("lightning_app.py")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
     run = subprocess.run(
-        [sys.executable, str(app), str(out)],
+        [sys.executable, str(app), str(out), str(group_size)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -27,5 +28,6 @@ def test_lightning_ddp_on_cpu_syncs_batch_norm(tmp_path):
     result = json.loads(out.read_text())
     assert result["layer_during_fit"] == "DistSyncBatchNorm1d"
     assert result["layer_after_fit"] == "BatchNorm1d"  # Lightning reverts after fit
-    for key in ("mean", "var"):  # statistics of all 8 samples, not of rank 0's 4
+    # group size 0: the statistics of all 8 samples; group size 1: of rank 0's own 4 (its group alone)
+    for key in ("mean", "var"):
         assert result[f"running_{key}"] == pytest.approx(result[f"expected_{key}"], rel=1e-5), key
