@@ -2,65 +2,28 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "launch" / "train.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(SCRIPT)]
-FAST = [
-    "trainer.log_every=5",
-    "trainer.eval_every=10",
-    "trainer.checkpoint_every=10",
-    "trainer.monitor_interval=0.2",
-]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "DISTSYNC_TEST_"))}
-    env.pop("HYDRA_FULL_ERROR", None)
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
-    return env
-
-
-def _run(args: list[str], cwd: Path, timeout: float = 150, **env: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        args, cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=timeout, check=False
-    )
-    if proc.returncode != 0:
-        print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n---\n")
-    return proc
-
-
-def _summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def _metric_steps(run_dir: Path, kind: str) -> list[int]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step"] for r in rows if r["kind"] == kind]
+from launching import FAST, ROOT, SCRIPT, TORCHRUN, metric_steps, run_job, summary
 
 
 @pytest.mark.slow
 def test_single_run_from_repo_root(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _run(
+    proc = run_job(
         [sys.executable, "launch/train.py", f"hydra.run.dir={run_dir}", "trainer.max_steps=20", *FAST], ROOT
     )
     assert proc.returncode == 0
-    s = _summary(run_dir)
+    s = summary(run_dir)
     assert s["world_size"] == 2 and s["steps"] == 20
     assert s["bn_buffers_in_sync"] is True
     assert s["restarts"] == 0 and s["resumed_from_step"] is None
     assert s["accuracy"] > 0.5 and s["final_loss"] < 2.3
     assert s["wall_seconds"] > 0
-    assert _metric_steps(run_dir, "train") == [5, 10, 15, 20]
-    assert _metric_steps(run_dir, "eval") == [10, 20]
+    assert metric_steps(run_dir, "train") == [5, 10, 15, 20]
+    assert metric_steps(run_dir, "eval") == [10, 20]
     assert (run_dir / "curves.png").stat().st_size > 0
     assert (run_dir / ".hydra" / "config.yaml").exists()
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
@@ -71,20 +34,20 @@ def test_single_run_from_repo_root(tmp_path):
 
 @pytest.mark.slow
 def test_external_torchrun_from_another_cwd(tmp_path):
-    proc = _run([*TORCHRUN, "trainer.max_steps=10", *FAST], tmp_path)
+    proc = run_job([*TORCHRUN, "trainer.max_steps=10", *FAST], tmp_path)
     assert proc.returncode == 0
     run_dirs = [p.parent for p in tmp_path.glob("outputs/*/*/summary.json")]
     assert len(run_dirs) == 1, list(tmp_path.rglob("*"))  # one run directory for both ranks
     assert len(list(tmp_path.rglob(".hydra"))) == 1
     run_dir = run_dirs[0]
-    assert _summary(run_dir)["world_size"] == 2 and _summary(run_dir)["steps"] == 10
+    assert summary(run_dir)["world_size"] == 2 and summary(run_dir)["steps"] == 10
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
     assert proc.stdout.count("step=10 ") == 1
 
 
 @pytest.mark.slow
 def test_external_torchrun_refuses_multirun(tmp_path):
-    proc = _run([*TORCHRUN, "-m", "optim.lr=0.1,0.2"], tmp_path, timeout=90)
+    proc = run_job([*TORCHRUN, "-m", "optim.lr=0.1,0.2"], tmp_path, timeout=90)
     assert proc.returncode != 0
     assert proc.stderr.count("cannot run under an external torchrun") == 1
     assert not list(tmp_path.rglob("summary.json"))
@@ -94,14 +57,14 @@ def test_external_torchrun_refuses_multirun(tmp_path):
 def test_sweep_runs_one_world_per_job_and_goes_on_past_a_failed_one(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", "optim.lr=0.1,inf,0.05", "trainer.max_steps=10", f"hydra.sweep.dir={sweep}", *FAST]
-    proc = _run([sys.executable, str(SCRIPT), *args], tmp_path)
+    proc = run_job([sys.executable, str(SCRIPT), *args], tmp_path)
     assert proc.returncode != 0  # a job failed: the sweep says so at the end
     assert "optim.lr must be finite" in proc.stderr
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert [j.name for j in jobs] == ["0", "1", "2"]
     assert not (jobs[1] / "summary.json").exists()
     for job, lr in zip([jobs[0], jobs[2]], ["0.1", "0.05"], strict=True):
-        assert _summary(job)["steps"] == 10 and _summary(job)["world_size"] == 2
+        assert summary(job)["steps"] == 10 and summary(job)["world_size"] == 2
         assert f"optim.lr={lr}" in (job / ".hydra" / "overrides.yaml").read_text()
 
 
@@ -109,15 +72,15 @@ def test_sweep_runs_one_world_per_job_and_goes_on_past_a_failed_one(tmp_path):
 def test_killed_worker_is_restarted_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
     args = [f"hydra.run.dir={run_dir}", "trainer.max_steps=30", "trainer.max_restarts=2", *FAST]
-    proc = _run([sys.executable, str(SCRIPT), *args], ROOT, DISTSYNC_TEST_KILL_AT_STEP="15")
+    proc = run_job([sys.executable, str(SCRIPT), *args], ROOT, DISTSYNC_TEST_KILL_AT_STEP="15")
     assert proc.returncode == 0
     assert "SIGKILL" in proc.stderr  # the agent saw the worker die
-    s = _summary(run_dir)
+    s = summary(run_dir)
     assert s["restarts"] >= 1
     assert s["resumed_from_step"] == 10
     assert s["steps"] == 30
     assert s["bn_buffers_in_sync"] is True
-    steps = _metric_steps(run_dir, "train")
+    steps = metric_steps(run_dir, "train")
     assert steps == sorted(set(steps)) == [5, 10, 15, 20, 25, 30]  # the killed attempt's extra rows are gone
     assert "resumed from" in (run_dir / "logs" / "rank1.log").read_text()
 
@@ -129,9 +92,9 @@ def test_external_torchrun_honours_the_run_dir_of_a_config_file(tmp_path):
         "defaults:\n  - config\n  - _self_\nhydra:\n  run:\n    dir: runs/exp1\n"
     )
     args = ["--config-dir", "exps", "--config-name", "exp", "trainer.max_steps=5", *FAST]
-    proc = _run([*TORCHRUN, *args], tmp_path)
+    proc = run_job([*TORCHRUN, *args], tmp_path)
     assert proc.returncode == 0
-    assert _summary(tmp_path / "runs" / "exp1")["world_size"] == 2
+    assert summary(tmp_path / "runs" / "exp1")["world_size"] == 2
     assert not (tmp_path / "outputs").exists()
 
 
@@ -139,8 +102,8 @@ def test_external_torchrun_honours_the_run_dir_of_a_config_file(tmp_path):
 def test_rerun_with_another_model_is_refused_once_without_restarts(tmp_path):
     run_dir = tmp_path / "run"
     first = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", "trainer.max_steps=10", *FAST]
-    assert _run(first, tmp_path).returncode == 0
-    proc = _run([*first, "model.channels=[8,8]", "trainer.max_restarts=3"], tmp_path, timeout=60)
+    assert run_job(first, tmp_path).returncode == 0
+    proc = run_job([*first, "model.channels=[8,8]", "trainer.max_restarts=3"], tmp_path, timeout=60)
     assert proc.returncode != 0
     # Said once, by the launcher: no world was started, so the agent had nothing to restart.
     assert proc.stderr.count("model.channels: [32, 64, 64] -> [8, 8]") == 1, proc.stderr
@@ -160,7 +123,7 @@ def test_rerun_with_another_model_is_refused_once_without_restarts(tmp_path):
     ],
 )
 def test_bad_override_exits_with_a_short_message(tmp_path, override, key):
-    proc = _run(
+    proc = run_job(
         [sys.executable, str(SCRIPT), f"hydra.run.dir={tmp_path / 'run'}", override], tmp_path, timeout=60
     )
     assert proc.returncode != 0
@@ -173,7 +136,7 @@ def test_bad_override_exits_with_a_short_message(tmp_path, override, key):
 
 def test_full_error_shows_the_traceback(tmp_path):
     args = [sys.executable, str(SCRIPT), f"hydra.run.dir={tmp_path / 'run'}", "trainer.nproc_per_node=0"]
-    proc = _run(args, tmp_path, timeout=60, HYDRA_FULL_ERROR="1")
+    proc = run_job(args, tmp_path, timeout=60, HYDRA_FULL_ERROR="1")
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr and "trainer.nproc_per_node" in proc.stderr
 
@@ -192,10 +155,10 @@ def test_the_wheel_alone_runs_the_training_job(tmp_path):
     subprocess.run([*pip, "torch==2.13.0"], check=True)  # the CPU build; the wheel's range keeps it
     (wheel,) = wheels.glob("distsync-*.whl")
     subprocess.run([*pip, f"{wheel}[train]"], check=True)
-    assert "trainer: default, fast" in _run([venv / "bin" / "distsync-train", "--help"], work).stdout
+    assert "trainer: default, fast" in run_job([venv / "bin" / "distsync-train", "--help"], work).stdout
     run_dir = work / "run"
-    proc = _run(
+    proc = run_job(
         [venv / "bin" / "distsync-train", f"hydra.run.dir={run_dir}", "trainer.max_steps=10", *FAST], work
     )
     assert proc.returncode == 0
-    assert _summary(run_dir)["steps"] == 10 and _summary(run_dir)["world_size"] == 2
+    assert summary(run_dir)["steps"] == 10 and summary(run_dir)["world_size"] == 2

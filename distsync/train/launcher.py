@@ -155,23 +155,20 @@ def _override_error(argv: list[str]) -> str | None:
     """Why Hydra would fail to compose this command line's config, in one line; None if it composes.
 
     Only single runs of the packaged configs are checked (a sweep's values are composed job by job, and
-    ``--config-path`` moves the configs); ``HYDRA_FULL_ERROR=1`` leaves every error to Hydra.
+    ``--config-path``/``--config-dir`` bring other configs); ``HYDRA_FULL_ERROR=1`` leaves every error to
+    Hydra.
     """
     from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser  # the parser @hydra.main itself uses
 
     args, _ = get_args_parser().parse_known_args(argv[1:])
     options = (args.help, args.hydra_help, args.cfg, args.info, args.shell_completion, args.multirun)
-    if any(options) or args.config_path or os.environ.get("HYDRA_FULL_ERROR") == "1":
+    other_configs = args.config_path or args.config_dir or args.config_name
+    if any(options) or other_configs or os.environ.get("HYDRA_FULL_ERROR") == "1":
         return None
-    overrides = list(args.overrides)
-    if args.config_dir:
-        overrides.append(f"hydra.searchpath=[file://{os.path.abspath(args.config_dir)}]")
-    if any(o.lstrip("+~").startswith("hydra.") and "=" in o and "," in o.split("=", 1)[1] for o in overrides):
-        return None  # a sweep of Hydra settings: leave it to Hydra
     try:
         with initialize_config_dir(config_dir=_CONF_DIR, version_base="1.3"):
-            compose(args.config_name or "config", overrides=overrides)
+            compose("config", overrides=list(args.overrides))
     except Exception as error:  # Hydra's and OmegaConf's errors share no useful base class
         cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
         key = getattr(cause, "full_key", None)

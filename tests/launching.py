@@ -1,0 +1,46 @@
+"""Running the training job's commands as subprocesses, for the end-to-end tests: tiny settings, 1 thread."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "launch" / "train.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(SCRIPT)]
+FAST = [
+    "trainer.log_every=5",
+    "trainer.eval_every=10",
+    "trainer.checkpoint_every=10",
+    "trainer.monitor_interval=0.2",
+]
+
+
+def job_env(**extra: str) -> dict[str, str]:
+    """This environment without torchrun's, the test hooks' or HYDRA_FULL_ERROR, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "DISTSYNC_TEST_"))}
+    env.pop("HYDRA_FULL_ERROR", None)
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def run_job(args: list, cwd: Path, timeout: float = 150, **env: str) -> subprocess.CompletedProcess:
+    """Run a command to its end; print its output's tail if it failed (pytest shows it then)."""
+    proc = subprocess.run(
+        args, cwd=cwd, env=job_env(**env), capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n---\n")
+    return proc
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def metric_steps(run_dir: Path, kind: str) -> list[int]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if r["kind"] == kind]
