@@ -66,7 +66,7 @@ def suite(plan: Plan) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions and sweep points (~1 min)")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions and sweep points (~30 s)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="JSON+PNG folder")
     parser.add_argument("--profile", action="store_true", help="also print profiler tables of the sync layer")
     args = parser.parse_args()
