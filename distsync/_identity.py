@@ -1,7 +1,9 @@
 """Which layer, direction and call a sync payload belongs to, the same on every rank.
 
-A layer's identity is its module path (``layer1.0.bn1``, found through the module tree at its first sync)
-and its width, hashed to a bounded integer; it does not depend on how many layers each process built.
+A layer's identity is its module path (``layer1.0.bn1``, found at its first sync in the outermost module
+being called that holds it), its width and how many deep copies away from a built or loaded layer it is,
+hashed to a bounded integer. It does not depend on how many layers each process built, nor on whether a
+process built its model or unpickled it; a deep copy (an EMA teacher) is never taken for its original.
 Every call adds ``[layer, direction, call]`` and their squares to the payload tail: after a SUM over W
 participants, ``(sum t)^2 == W sum(t^2)`` for each field iff all sent the same value. The values are kept
 below a modulus ``m`` with ``3 (W m)^2 < 2^53``, so float64 holds every term exactly.
@@ -12,6 +14,7 @@ selects its tail as a view: no host-to-device copy per call.
 
 from __future__ import annotations
 
+import sys
 import weakref
 import zlib
 from typing import NamedTuple
@@ -67,7 +70,11 @@ nn.modules.module.register_module_module_registration_hook(_record_parent)
 
 
 def module_path(module: nn.Module) -> str:
-    """Dotted path of ``module`` from the outermost module that holds it ('' for a module on its own)."""
+    """Dotted path of ``module`` from the outermost module that registered it ('' for a module on its own).
+
+    Registration records exist for modules built in this process; unpickled or deep-copied trees have none,
+    which is why a syncing layer asks :func:`layer_path` instead.
+    """
     names, seen = [], {id(module)}
     while module in _parents:
         parent_ref, name = _parents[module]
@@ -80,19 +87,51 @@ def module_path(module: nn.Module) -> str:
     return ".".join(reversed(names))
 
 
-def layer_hash(path: str, num_features: int) -> int:
-    return zlib.crc32(f"{path}:{num_features}".encode())
+def _calling_modules() -> list[nn.Module]:
+    """Modules whose forward is running in this thread, outermost first (from their frames' ``self``)."""
+    modules, seen = [], set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) not in seen:
+            seen.add(id(owner))
+            modules.append(owner)
+        frame = frame.f_back
+    return modules[::-1]
+
+
+def layer_path(layer: nn.Module) -> str:
+    """Dotted path of ``layer`` in the outermost module being called that holds it.
+
+    The same on every rank that runs the same model, however each process got its copy (built, converted,
+    ``torch.load``-ed whole, deep-copied) and whatever else it holds it in. A layer called on its own falls
+    back to its registration path.
+    """
+    for root in _calling_modules():
+        if root is layer:
+            break
+        for name, module in root.named_modules(remove_duplicate=False):
+            if module is layer:
+                return name
+    return module_path(layer)
+
+
+def layer_hash(path: str, num_features: int, copies: int = 0) -> int:
+    return zlib.crc32(f"{path}:{num_features}:{copies}".encode())
 
 
 class SyncState:
     """A synchronized layer's identity, call counts and device-side tails, plus its merge shift.
 
-    Copies (``copy.deepcopy``, pickling) start with fresh counts and no cached tensors, so a copy never
-    passes for the original in the desync check.
+    Copies start with fresh counts and no cached tensors. A deep copy also counts one more generation
+    (``copies``), so a teacher copied from a student never passes for it in the desync check; an unpickled
+    layer counts as built (``copies == 0``), so a model loaded whole on one rank matches the model built on
+    another.
     """
 
-    def __init__(self, layer_name: str = "") -> None:
+    def __init__(self, layer_name: str = "", copies: int = 0) -> None:
         self.layer_name = layer_name  # the module path once known
+        self.copies = copies  # deep copies between this layer and one built or unpickled
         self.identity: int | None = None
         self.calls = [0, 0]
         self.shift: Tensor | None = None  # previous global mean (float64), shared by every rank
@@ -100,7 +139,7 @@ class SyncState:
         self.scratch: dict = {}  # small per-device tensors reused call after call
 
     def __deepcopy__(self, memo) -> SyncState:
-        return SyncState(self.layer_name)
+        return SyncState(self.layer_name, self.copies + 1)
 
     def __getstate__(self) -> dict:
         return {"layer_name": self.layer_name}
@@ -110,7 +149,7 @@ class SyncState:
 
     def fresh_copy(self) -> SyncState:
         """Same identity and counts, own tables (for a replica that syncs on its own)."""
-        copy = SyncState(self.layer_name)
+        copy = SyncState(self.layer_name, self.copies)
         copy.identity, copy.calls = self.identity, list(self.calls)
         return copy
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ._identity import SyncState, layer_hash, module_path
+from ._identity import SyncState, layer_hash, layer_path
 from ._transport import Reducer, process_group_reducer
 from .functional import SyncBatchNormFunction
 
@@ -58,8 +58,9 @@ class DistSyncBatchNorm(_BatchNorm):
     Ranks out of step raise :class:`distsync.SyncMismatchError` on every rank; on the CPU at once, on
     GPUs at a later synchronized call or :func:`distsync.check_sync` (the checks run on the device).
 
-    A layer is identified across ranks by its module path in the model (found when it first syncs)
-    and its width, so processes may build other modules (an EMA copy, a probe) without confusing it.
+    A layer is identified across ranks by its module path in the model being called (found when it first
+    syncs) and its width, so processes may build other modules (an EMA copy, a probe) or load the model
+    whole without confusing it. A deep copy of a layer is a different layer than its original.
 
     Args:
         num_features: number of channels :math:`C` of an input of size :math:`(N, C, *)`
@@ -181,8 +182,8 @@ class DistSyncBatchNorm(_BatchNorm):
             )
         state = self._sync_state
         if state.identity is None:
-            path = module_path(self)
-            state.identity = layer_hash(path, self.num_features)
+            path = layer_path(self)
+            state.identity = layer_hash(path, self.num_features, state.copies)
             state.layer_name = f"'{path}' ({type(self).__name__})" if path else type(self).__name__
         update_running = self.track_running_stats and self._updates_running_stats
         return SyncBatchNormFunction.apply(

@@ -4,6 +4,8 @@ Each world runs every scenario in one spawn (spawning dominates the cost) and re
 """
 
 import copy
+import io
+from datetime import timedelta
 
 import pytest
 import torch
@@ -30,7 +32,22 @@ def _x(n=3):
     return torch.randn(n, 4, 2, 2)
 
 
-def _identity_scenarios(rank, world_size):
+class _TwoLayers(nn.Module):
+    """Two same-width layers whose order a forward argument can swap."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+
+    def forward(self, x, swap=False):
+        return self.a(self.b(x)) if swap else self.b(self.a(x))
+
+
+def _two_layers():
+    return distsync.convert_sync_batchnorm(_TwoLayers())
+
+
+def _identity_scenarios(rank, world_size, saved_model):
     seen = {}
     # Rank 0 builds extra synced layers first (an EMA copy, a probe): ids must not shift.
     if rank == 0:
@@ -48,13 +65,28 @@ def _identity_scenarios(rank, world_size):
     # Layers constructed directly inside a module find their own path.
     direct = nn.Sequential(distsync.DistSyncBatchNorm2d(4), distsync.DistSyncBatchNorm2d(4))
     seen["direct layers swapped"] = _outcome(lambda: direct[rank](_x()).shape)
+    # A model loaded whole (torch.load) on rank 0 and built on rank 1 is the same model...
+    loaded = torch.load(io.BytesIO(saved_model), weights_only=False) if rank == 0 else _two_layers()
+    seen["loaded vs built"] = _outcome(lambda: loaded(_x()).shape)
+    # ...and so is a deep copy made by every rank (an EMA teacher), whose layers keep their paths...
+    teacher = copy.deepcopy(_two_layers())
+    seen["teacher"] = _outcome(lambda: teacher(_x()).shape)
+    seen["teacher swapped"] = _outcome(lambda: teacher(_x(), swap=rank == 1).shape)
+    # ...but a student's first call never passes for its teacher's.
+    student = _two_layers()
+    teacher = copy.deepcopy(student)
+    seen["student vs teacher"] = _outcome(lambda: (student if rank == 0 else teacher)(_x()).shape)
     return seen
 
 
 def test_layer_identity_does_not_depend_on_what_else_a_process_built():
-    for seen in run_world(_identity_scenarios, 2):
-        assert seen["extra layers on one rank"] == (None, torch.Size([3, 4, 2, 2]))
-        for scenario in ("deepcopy vs original", "swapped layers", "direct layers swapped"):
+    buffer = io.BytesIO()
+    torch.save(_two_layers(), buffer)
+    for seen in run_world(_identity_scenarios, 2, buffer.getvalue()):
+        for scenario in ("extra layers on one rank", "loaded vs built", "teacher"):
+            assert seen[scenario] == (None, torch.Size([3, 4, 2, 2])), (scenario, seen[scenario])
+        mismatches = ("deepcopy vs original", "swapped layers", "direct layers swapped", "teacher swapped")
+        for scenario in (*mismatches, "student vs teacher"):
             assert seen[scenario][0] == "SyncMismatchError", (scenario, seen[scenario])
 
 
@@ -72,6 +104,13 @@ def _semantics_scenarios(rank, world_size):
         seen["eval alone"] = _outcome(
             lambda: torch.equal(no_stats(x), nn.functional.batch_norm(x, None, None, training=True))
         )
+    # DDP inference (PyTorch's test_ddp_inference): a converted, DDP-wrapped model in eval mode gives the
+    # plain model's eval output on every rank.
+    torch.manual_seed(1)
+    plain = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)).eval()
+    ddp = nn.parallel.DistributedDataParallel(distsync.convert_sync_batchnorm(copy.deepcopy(plain))).eval()
+    with torch.no_grad():
+        seen["ddp inference"] = _outcome(lambda: torch.equal(ddp(x.float()), plain(x.float())))
     # An empty global batch gives an empty output, like nn.BatchNorm, and leaves running stats alone.
     before = layer.running_mean.clone()
     seen["empty global batch"] = _outcome(
@@ -112,6 +151,7 @@ def test_torch_compatible_semantics_on_every_rank():
     assert per_rank[0]["rejected input"][0] == "SyncError"
     for seen in per_rank:
         assert seen["next call"] == (None, torch.Size([3, 4, 2, 2])), seen["next call"]
+        assert seen["ddp inference"] == (None, True), seen["ddp inference"]
         assert seen["empty global batch"] == (None, (torch.Size([0, 4, 2, 2]), True))
         assert seen["double backward"][0] == "RuntimeError" and "twice" in seen["double backward"][1]
         for key in ("eps=0", "eps=-1"):
@@ -142,6 +182,26 @@ def test_float64_keeps_float64_accuracy_far_from_zero(ratio):
     """From the second call on, the merge is around the previous global mean: no cancellation."""
     for errors in run_world(_float64_far_from_zero, 2, ratio):
         assert max(errors[1:]) < 1e-7, errors
+
+
+def _peer_gone(rank, world_size):
+    """Rank 1 leaves without calling the layer: rank 0's all-reduce fails and must name the layer."""
+    group = torch.distributed.new_group([0, 1], timeout=timedelta(seconds=3))
+    if rank == 1:
+        return None
+    model = distsync.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(4)), process_group=group)
+    try:
+        model(_x())
+    except distsync.SyncError as error:
+        return str(error), isinstance(error.__cause__, RuntimeError)  # gloo's own error kept as the cause
+    return "no error"
+
+
+def test_a_dead_peer_is_reported_naming_the_layer():
+    message, cause_kept = run_world(_peer_gone, 2)[0]
+    expected = "the all-reduce of '0' (DistSyncBatchNorm2d), forward call #0 failed: "
+    assert message.startswith(expected), message
+    assert cause_kept
 
 
 def test_collective_failure_names_the_layer():
