@@ -53,6 +53,12 @@ def test_no_checkpoint_loads(tmp_path):
     save_checkpoint(tmp_path, 10, _state(10), keep=2)
     _corrupt(checkpoint_dir(tmp_path) / "step_00000010.pt", "empty")
     assert load_newest_checkpoint(tmp_path) is None
+    # The same step corrupt again (a rerun that crashed mid-save): the first one kept is not overwritten.
+    save_checkpoint(tmp_path, 10, _state(10), keep=2)
+    _corrupt(checkpoint_dir(tmp_path) / "step_00000010.pt", "garbage")
+    assert load_newest_checkpoint(tmp_path) is None
+    names = sorted(p.name for p in checkpoint_dir(tmp_path).iterdir())
+    assert names == ["step_00000010.pt.corrupt", "step_00000010.pt.corrupt.1"]
 
 
 def test_a_failed_save_removes_its_temporary_file(tmp_path, monkeypatch):

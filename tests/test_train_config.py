@@ -105,8 +105,10 @@ def test_backends_this_machine_cannot_run_are_refused_before_launch(monkeypatch)
 
     from distsync.train.launcher import _check_environment
 
-    with pytest.raises(ConfigError, match="trainer.backend must be one of auto, .*gloo.* \\(got 'foo'\\)"):
-        _check_environment(_compose("trainer.backend=foo"))
+    for backend in ("foo", "mpi", "ucc", "fake"):  # mpi & co. failed only inside the workers, 3 times
+        refusal = f"trainer.backend must be one of auto, gloo, nccl \\(got '{backend}'\\)"
+        with pytest.raises(ConfigError, match=refusal):
+            _check_environment(_compose(f"trainer.backend={backend}"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="trainer.backend=nccl needs CUDA GPUs"):
         _check_environment(_compose("trainer.backend=nccl"))
@@ -121,7 +123,11 @@ def test_backends_this_machine_cannot_run_are_refused_before_launch(monkeypatch)
     [
         (["data.batch_size=100000"], r"^data.batch_size must be at most 719 \(.*1438 training samples"),
         (["data.test_fraction=0.999"], r"^data.test_fraction=0.999 leaves 0 training samples"),
-        (["data=synthetic", "data.num_samples=2"], r"^data.batch_size must be at most 1 "),
+        (["data=synthetic", "data.num_samples=2"], r"^data.test_fraction=0.2 leaves no held-out samples"),
+        (
+            ["data=synthetic", "data.num_samples=20", "data.batch_size=9"],
+            r"^data.batch_size must be at most 8",
+        ),
         (["trainer.seed=-1"], r"^trainer.seed must be in"),
         (["data.image_size=100000"], r"^data.image_size must be in \[2, 512\]"),
     ],

@@ -78,5 +78,11 @@ def test_loss_is_on_a_log_axis_with_markers_when_few_points(tmp_path):
     assert ax_acc.get_lines()[0].get_marker() == "o"
     many = curves_figure(_rows(200)).axes[0].get_lines()[0]
     assert many.get_marker() in (None, "None", "")
+    # Under two decades: the minor ticks at 2 and 5 are labelled, the six others stay blank.
+    fig.canvas.draw()
+    minor = {t.get_text() for t in ax_loss.yaxis.get_minorticklabels() if t.get_text()}
+    assert minor and all(label.lstrip("0.").startswith(("2", "5")) for label in minor), minor
+    assert ax_acc.get_ylim()[1] <= 100.5  # a percentage
+    assert all(float(tick).is_integer() for tick in ax_acc.get_xticks())  # steps
     plot_curves(_rows(8), tmp_path / "curves.png", title="t")
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

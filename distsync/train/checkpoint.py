@@ -112,15 +112,16 @@ def load_newest_checkpoint(
     """The newest checkpoint in ``run_dir`` that loads, as ``(path, state)``; None if none does.
 
     A checkpoint that does not load (truncated, empty, garbage, or not a checkpoint) is renamed to
-    ``<name>.corrupt``, kept for inspection but out of the rotation (it would otherwise count towards
-    ``keep`` and push good checkpoints out), and logged as a warning with the reason. Call it on one rank
+    ``<name>.corrupt`` (``.corrupt.1`` ... if that exists), kept for inspection but out of the rotation (it
+    would otherwise count towards ``keep`` and push good checkpoints out), and logged as a warning with the
+    reason. Call it on one rank
     only, while holding the run directory's lock.
     """
     for path in reversed(_checkpoints(checkpoint_dir(run_dir))):
         try:
             return path, _load_complete(path)
         except Exception as error:  # any way a file can fail to unpickle
-            aside = path.with_name(path.name + CORRUPT_SUFFIX)
+            aside = _unused(path.with_name(path.name + CORRUPT_SUFFIX))
             os.replace(path, aside)
             reason = (str(error).strip().splitlines() or [""])[0][:200]
             if log is not None:
@@ -132,6 +133,15 @@ def load_newest_checkpoint(
                     aside.name,
                 )
     return None
+
+
+def _unused(path: Path) -> Path:
+    """``path``, or ``path.1``, ``path.2``, ... : the first that does not exist (an earlier one is kept)."""
+    candidate, number = path, 0
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}.{number}")
+    return candidate
 
 
 def rng_state() -> dict:

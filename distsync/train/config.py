@@ -135,7 +135,7 @@ class TrainerConfig:
     seed: int = 0
     """Seed of the model init and the sampler; each rank's RNG is seeded with ``seed + rank``."""
     backend: str = "auto"
-    """``auto`` (nccl with CUDA, else gloo), or a torch.distributed backend name."""
+    """``auto`` (nccl with CUDA, else gloo), ``gloo`` (CPU) or ``nccl`` (one GPU per process)."""
     timeout_s: float = 300.0
     """Collective timeout in seconds."""
     metric: str = "accuracy"

@@ -78,11 +78,15 @@ def _field_class(schema: type, name: str) -> type | None:
     return default if isinstance(default, type) else None
 
 
-def to_train_config(cfg: DictConfig) -> TrainConfig:
-    """Resolve ``cfg`` into a :class:`TrainConfig`; raises :class:`ConfigError` naming the bad key."""
+def _refuse_unknown_keys(cfg: DictConfig) -> None:
     unknown = _unknown_keys(OmegaConf.to_container(cfg, resolve=False), TrainConfig)
     if unknown:
         raise ConfigError(f"{unknown[0]}: not a key of the training config")
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """Resolve ``cfg`` into a :class:`TrainConfig`; raises :class:`ConfigError` naming the bad key."""
+    _refuse_unknown_keys(cfg)
     try:
         train_cfg = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as error:
@@ -103,8 +107,6 @@ def _fail(message: str, error: BaseException | None = None) -> None:
     if error is not None and os.environ.get("HYDRA_FULL_ERROR") == "1":
         raise error
     sys.stderr.write(f"Error: {message}\n")
-    if error is not None:
-        sys.stderr.write("Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n")
     sys.stderr.flush()
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
         raise JobFailed(message) from None  # SystemExit would end the whole sweep here
@@ -154,21 +156,61 @@ def _refuse(message: str) -> None:
 def _override_error(argv: list[str]) -> str | None:
     """Why Hydra would fail to compose this command line's config, in one line; None if it composes.
 
-    Only single runs of the packaged configs are checked (a sweep's values are composed job by job, and
-    ``--config-path``/``--config-dir`` bring other configs); ``HYDRA_FULL_ERROR=1`` leaves every error to
-    Hydra.
+    A single run is composed once and checked as the job would check it, before Hydra makes a run
+    directory. For a ``-m`` sweep each value of each listed or ranged sweep is composed (Hydra would
+    compose it only when its job comes up, and a failure there ends the whole sweep); values that
+    compose but fail the job's own checks fail that job alone. Other configs (``--config-path``,
+    ``--config-dir``, ``--config-name``) are left to Hydra, and so is everything under
+    ``HYDRA_FULL_ERROR=1``.
     """
-    from hydra import compose, initialize_config_dir
     from hydra._internal.utils import get_args_parser  # the parser @hydra.main itself uses
 
     args, _ = get_args_parser().parse_known_args(argv[1:])
-    options = (args.help, args.hydra_help, args.cfg, args.info, args.shell_completion, args.multirun)
+    options = (args.help, args.hydra_help, args.cfg, args.info, args.shell_completion)
     other_configs = args.config_path or args.config_dir or args.config_name
     if any(options) or other_configs or os.environ.get("HYDRA_FULL_ERROR") == "1":
         return None
+    if not args.multirun:
+        return _composition_error(list(args.overrides), check_values=True)
+    for overrides in _one_value_per_sweep(list(args.overrides)):
+        error = _composition_error(overrides, check_values=False)
+        if error:
+            return error
+    return None
+
+
+def _one_value_per_sweep(overrides: list[str]) -> list[list[str]]:
+    """For each value of each discrete sweep in ``overrides``: the overrides with that value alone.
+
+    Non-sweep overrides stay in every list, other sweeps are left out. Sweeps whose values are not a
+    list known here (``interval``, ``glob``) are left to the sweeper.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    combinations = []
+    for override in parsed:
+        if not override.is_sweep_override() or not override.is_discrete_sweep():
+            continue
+        try:
+            values = list(override.sweep_string_iterator())
+        except Exception:  # a glob needs Hydra's config loader: the sweeper expands it
+            continue
+        combinations += [[*fixed, f"{override.get_key_element()}={value}"] for value in values]
+    return combinations or [fixed]
+
+
+def _composition_error(overrides: list[str], check_values: bool) -> str | None:
+    """Compose the packaged config with ``overrides``: one line naming what fails, or None.
+
+    Unknown keys are refused either way; ``check_values`` also runs the config's own checks.
+    """
+    from hydra import compose, initialize_config_dir
+
     try:
         with initialize_config_dir(config_dir=_CONF_DIR, version_base="1.3"):
-            compose("config", overrides=list(args.overrides))
+            cfg = compose("config", overrides=overrides)
     except Exception as error:  # Hydra's and OmegaConf's errors share no useful base class
         cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
         key = getattr(cause, "full_key", None)
@@ -177,6 +219,13 @@ def _override_error(argv: list[str]) -> str | None:
             options = itertools.takewhile(lambda line: line.startswith("\t"), lines[3:])
             lines[0] += f" ({lines[2].rstrip(':').lower()}: {', '.join(o.strip() for o in options)})"
         return f"{key}: {lines[0]}" if key else lines[0]
+    try:
+        if check_values:
+            to_train_config(cfg)
+        else:
+            _refuse_unknown_keys(cfg)
+    except ConfigError as error:
+        return str(error)
     return None
 
 
@@ -238,6 +287,9 @@ def hydra_main(cfg: DictConfig) -> float:
     return summary[train_cfg.trainer.metric]
 
 
+_BACKENDS = ("auto", "gloo", "nccl")
+
+
 def _check_environment(cfg: TrainConfig) -> None:
     import torch
 
@@ -252,9 +304,11 @@ def _check_environment(cfg: TrainConfig) -> None:
     if cfg.trainer.comm_hook == "bf16" and world > 1 and not torch.cuda.is_available():
         raise ConfigError("trainer.comm_hook=bf16 needs CUDA with NCCL 2.10+; use fp16 or powersgd on CPU")
     _check_data(cfg, world)
-    known = ("auto", *(name for name in torch.distributed.Backend.backend_list if name != "undefined"))
-    if cfg.trainer.backend not in known:
-        raise ConfigError(f"trainer.backend must be one of {', '.join(known)} (got {cfg.trainer.backend!r})")
+    if cfg.trainer.backend not in _BACKENDS:
+        raise ConfigError(
+            f"trainer.backend must be one of {', '.join(_BACKENDS)} (got {cfg.trainer.backend!r}): the job "
+            "runs on CPUs with gloo or on one GPU per process with nccl"
+        )
     if cfg.trainer.backend == "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus == 0:
@@ -277,6 +331,11 @@ def _check_data(cfg: TrainConfig, world: int) -> None:
         (_, train_labels), (_, test_labels), _ = load_data(cfg.data)
     per_rank = len(train_labels) // world
     split = f"data.test_fraction={cfg.data.test_fraction} leaves {len(train_labels)} training samples"
+    if len(test_labels) == 0:  # first: no batch size can fix it
+        raise ConfigError(
+            f"data.test_fraction={cfg.data.test_fraction} leaves no held-out samples of "
+            f"{len(train_labels)}; use more samples or a larger data.test_fraction"
+        )
     if per_rank == 0:
         raise ConfigError(f"{split}, fewer than the {world} ranks")
     if cfg.data.batch_size > per_rank:
@@ -284,8 +343,6 @@ def _check_data(cfg: TrainConfig, world: int) -> None:
             f"data.batch_size must be at most {per_rank} ({split}, {per_rank} per rank over {world} ranks) "
             f"(got {cfg.data.batch_size})"
         )
-    if len(test_labels) == 0:
-        raise ConfigError(f"data.test_fraction={cfg.data.test_fraction} leaves no held-out samples")
 
 
 # ------------------------------------------------------------------------------------------ elastic launch

@@ -107,6 +107,11 @@ def plot_curves(rows: list[dict], path: str | os.PathLike, title: str = "") -> N
     plt.close(fig)
 
 
+def _two_and_five(value: float, _position) -> str:
+    mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
+    return f"{value:g}" if round(mantissa, 6) in (2.0, 5.0) else ""
+
+
 def curves_figure(rows: list[dict], title: str = ""):
     """Training and held-out loss (log axis) and held-out accuracy against the step, as a Figure.
 
@@ -116,7 +121,7 @@ def curves_figure(rows: list[dict], title: str = ""):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
@@ -132,18 +137,21 @@ def curves_figure(rows: list[dict], title: str = ""):
     plot(ax_loss, eval_steps, eval_losses, label="held-out")
     if losses or eval_losses:
         ax_loss.set_yscale("log")
-        # Plain numbers (0.5, not 5 x 10^-1); the minor ticks get labels when under two decades are shown.
+        # Plain numbers (0.5, not 5 x 10^-1); when under two decades are shown, minor ticks at 2 and 5
+        # times a power of ten get labels too (all eight would crowd each other).
         shown = losses + eval_losses
         plain = FuncFormatter(lambda value, _: f"{value:g}")
         ax_loss.yaxis.set_major_formatter(plain)
         if math.log10(max(shown) / min(shown)) < 2:
-            ax_loss.yaxis.set_minor_formatter(plain)
+            ax_loss.yaxis.set_minor_formatter(FuncFormatter(_two_and_five))
     ax_loss.set(xlabel="step", ylabel="cross-entropy (log scale)", title="loss")
     ax_loss.legend()
     plot(ax_acc, *_series(evals, "accuracy", scale=100.0), color="tab:green")
     ax_acc.set(xlabel="step", ylabel="%", title="held-out accuracy")
+    ax_acc.set_ylim(top=min(ax_acc.get_ylim()[1], 100.5))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3, which="both")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 28.5
     if title:
         fig.suptitle(title)
     fig.tight_layout()
