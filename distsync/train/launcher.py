@@ -333,8 +333,8 @@ def _check_data(cfg: TrainConfig, world: int) -> None:
     split = f"data.test_fraction={cfg.data.test_fraction} leaves {len(train_labels)} training samples"
     if len(test_labels) == 0:  # first: no batch size can fix it
         raise ConfigError(
-            f"data.test_fraction={cfg.data.test_fraction} leaves no held-out samples of "
-            f"{len(train_labels)}; use more samples or a larger data.test_fraction"
+            f"data.test_fraction={cfg.data.test_fraction} leaves no held-out samples ({len(train_labels)} "
+            "samples in all); use more samples or a larger data.test_fraction"
         )
     if per_rank == 0:
         raise ConfigError(f"{split}, fewer than the {world} ranks")
