@@ -76,10 +76,10 @@ def main() -> None:
         raise SystemExit("needs a CUDA build of torch (a GPU is not needed)")
     print(f"torch {torch.__version__}, fake 2-rank NCCL world, input {SHAPE}, one forward + one backward\n")
     print(
-        "| layer | host copies fwd / bwd | ATen ops fwd / bwd | activation passes fwd / bwd "
+        "| layer | host syncs | host copies fwd / bwd | ATen ops fwd / bwd | activation passes fwd / bwd "
         "| forward collectives | backward collectives |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     for kind in ("distsync", "nn.SyncBatchNorm"):
         for momentum in (0.1, None):
             for dtype in (torch.float32, torch.bfloat16):
