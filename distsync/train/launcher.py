@@ -123,8 +123,9 @@ _WAIT_FOR_RANK0_S = 60.0
 def prepare_argv(argv: list[str] | None = None) -> None:
     """Check Hydra's command line, and adjust it in a worker of an external ``torchrun``.
 
-    Composes the config of a single run once first, so that an override Hydra cannot apply (a wrong
-    type, an unknown key or option) fails with one line naming it rather than Hydra's multi-line dump.
+    Composes the config first (a single run once, a sweep once per value, see :func:`_override_error`),
+    so that an override Hydra cannot apply (a wrong type, an unknown key or option) fails with one line
+    naming it rather than Hydra's multi-line dump.
     Refuses ``-m``/``--multirun`` (a sweep would start one world per job inside a world). Only rank 0
     keeps ``hydra.output_subdir``, so ``.hydra/`` is written once. (The default run directory is shared by
     :func:`default_run_dir`, so a ``hydra.run.dir`` from the command line or a config file still wins.)
