@@ -3,15 +3,23 @@
 Both devices feed the same payload (local mean and biased variance per channel, ``_moments``) and read the
 same merged statistics; they differ in the kernels that touch the activation:
 
-* CUDA (and other accelerators) use the ops ``nn.SyncBatchNorm`` uses there, read against PyTorch's
-  ``aten/src/ATen/native/cuda/Normalization.cu``/``.cuh``: the activation is read once for the statistics
-  and once to normalize; backward reads ``dy`` and the input once to reduce and once for ``dx``.
+* CUDA (ROCm included: PyTorch exposes it as the ``cuda`` device type) uses the ops ``nn.SyncBatchNorm``
+  uses there, read against PyTorch's ``aten/src/ATen/native/cuda/Normalization.cu``/``.cuh``: the
+  activation is read once for the statistics and once to normalize; backward reads ``dy`` and the input
+  once to reduce and once for ``dx``. Three of those four ops exist for CUDA only.
 * The CPU normalizes the input shifted by one sample's values (a materialized copy), because its
   batch-norm kernels compute ``x * a + b`` and would round away a mean far from zero.
+* Every other device (MPS, XPU, ...) gets :class:`GenericKernels`: reductions and elementwise ops every
+  backend implements, the same payload, no host sync.
+
+Off the CPU the verdict of a call is read later (``deferred``, see :mod:`distsync._health`): reading it at
+once would stall the device's queue. Tests route the CPU through other kernels with :func:`routed`.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -49,10 +57,17 @@ def _as(tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 class CudaKernels:
-    """``batch_norm_update_stats`` / ``batch_norm_elemt`` / ``batch_norm_backward_reduce`` / ``_elemt``."""
+    """``batch_norm_update_stats`` / ``batch_norm_elemt`` / ``batch_norm_backward_reduce`` / ``_elemt``.
 
-    @staticmethod
-    def local(input: Tensor) -> Local:
+    The ops are looked up on ``ops`` (``torch``): a test substitutes CPU implementations of them.
+    """
+
+    ops = torch
+    deferred = True  # verdicts read later: a host read per call would stall the device
+    keeps_any_shift = False  # the float32 statistics batch_norm_elemt takes gain nothing from a float64 shift
+
+    @classmethod
+    def local(cls, input: Tensor) -> Local:
         # Normalization.cu: the kernels take contiguous, channels-last or (as TensorIterator) general
         # strides, but backward_elemt picks its template from dy's layout alone; keep to the two layouts
         # nn.SyncBatchNorm keeps to, so that input and dy can always be given the same one.
@@ -60,33 +75,37 @@ class CudaKernels:
             input = input.contiguous()
         # batch_norm_update_stats_cuda with no running buffers is batch_norm_mean_var: one Welford pass,
         # mean and biased variance in the accumulate type (float32 for half inputs).
-        mean, var = torch.batch_norm_update_stats(input, None, None, 0.0)
+        mean, var = cls.ops.batch_norm_update_stats(input, None, None, 0.0)
         return Local(input, mean, var, None)
 
-    @staticmethod
-    def normalize(local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:
+    @classmethod
+    def normalize(cls, local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:
         dtype = stat_dtype(local.z.dtype)
         stats = _as(rows, dtype)  # mean, biased var, unbiased var
         # batch_norm_elemt reads mean and invstd as the accumulate type: float32 for float32 and half
         # inputs, float64 for float64 (packed_accessor_or_dummy<stat_accscalar_t>).
         kept = ((stats[1] >= eps).to(dtype),) if clip else ()  # channels whose variance is not clipped
         invstd = (stats[1].clamp_min_(eps) if clip else stats[1].add_(eps)).rsqrt_()
-        output = torch.batch_norm_elemt(local.z, _as(weight, dtype), _as(bias, dtype), stats[0], invstd, eps)
+        output = cls.ops.batch_norm_elemt(
+            local.z, _as(weight, dtype), _as(bias, dtype), stats[0], invstd, eps
+        )
         return Normalized(output, (stats[0], invstd, *kept), (stats[0], stats[2]), eps)
 
-    @staticmethod
-    def backward_sums(dy: Tensor, z: Tensor, saved, weight, need_weight: bool, need_bias: bool, eps: float):
+    @classmethod
+    def backward_sums(
+        cls, dy: Tensor, z: Tensor, saved, weight, need_weight: bool, need_bias: bool, eps: float
+    ):
         mean, invstd = saved[:2]
         # batch_norm_backward_reduce_cuda: mean and invstd of one dtype (TORCH_CHECK); the weight
         # gradient is allocated from the weight's options, so it is only asked for with a weight.
-        sum_dy, sum_dy_xmu, grad_weight, grad_bias = torch.batch_norm_backward_reduce(
+        sum_dy, sum_dy_xmu, grad_weight, grad_bias = cls.ops.batch_norm_backward_reduce(
             dy, z, mean, invstd, _as(weight, mean.dtype), True, need_weight and weight is not None, need_bias
         )
         return sum_dy, sum_dy_xmu, grad_weight, grad_bias
 
-    @staticmethod
+    @classmethod
     def grad_input(
-        dy: Tensor, z: Tensor, saved, weight, reduced: Tensor, count: Tensor, eps: float
+        cls, dy: Tensor, z: Tensor, saved, weight, reduced: Tensor, count: Tensor, eps: float
     ) -> Tensor:
         mean, invstd = saved[:2]
         sums = reduced.to(mean.dtype)  # sum_dy, sum_dy_xmu as the accumulate type, like mean and invstd
@@ -94,7 +113,7 @@ class CudaKernels:
             sums[1].mul_(saved[2])
         # batch_norm_backward_elemt_cuda: `count` is read as int32 (count.data_ptr<int>()) and summed on
         # the device; the weight is read as the stat type once mean is float32 for half inputs.
-        return torch.batch_norm_backward_elemt(
+        return cls.ops.batch_norm_backward_elemt(
             dy, z, mean, invstd, _as(weight, mean.dtype), sums[0], sums[1], count.to(torch.int32)
         )
 
@@ -107,6 +126,9 @@ class CudaKernels:
 
 class CpuKernels:
     """Shifted input, ``batch_norm_update_stats``, eval-mode ``batch_norm`` and its backward."""
+
+    deferred = False  # reduced values cost nothing to read on the CPU: verdicts at the call
+    keeps_any_shift = True
 
     @staticmethod
     def local(input: Tensor) -> Local:
@@ -187,5 +209,101 @@ def _dense(tensor: Tensor) -> bool:
     return tensor.dim() in formats and tensor.is_contiguous(memory_format=formats[tensor.dim()])
 
 
-def kernels_for(device: torch.device) -> type[CudaKernels] | type[CpuKernels]:
-    return CpuKernels if device.type == "cpu" else CudaKernels
+class GenericKernels:
+    """Any other accelerator: ``var_mean``, sums and elementwise ops, which every backend implements.
+
+    The same payload as the other devices and the same backward sums as the CPU (``sum(dy)``,
+    ``sum(dy * x_hat)``). Like the CPU it works on the input shifted by one sample's values (a copy in the
+    statistics' dtype, float32 at least), so a mean far from zero keeps its accuracy; dedicated kernels
+    would spare that copy.
+    """
+
+    deferred = True
+    keeps_any_shift = True  # the statistics are those of the shifted input, as on the CPU
+
+    @staticmethod
+    def local(input: Tensor) -> Local:
+        dims = [0, *range(2, input.dim())]
+        if input.dtype in _HALF:  # no shift: the merge is around zero for half inputs (see functional)
+            var, mean = torch.var_mean(input.float(), dims, correction=0)
+            return Local(input, mean, var, None)
+        origin = input[(0, slice(None), *[0] * (input.dim() - 2))].nan_to_num(0.0, 0.0, 0.0)
+        z = input - per_channel(origin, input.dim())
+        var, mean = torch.var_mean(z, dims, correction=0)
+        return Local(z, mean, var, origin)
+
+    @staticmethod
+    def normalize(local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:
+        dtype = stat_dtype(local.z.dtype)
+        var = rows[1].clamp_min(eps) if clip else rows[1] + eps
+        kept = ((rows[1] >= eps).to(dtype),) if clip else ()
+        mean = rows[0] if local.origin is None else rows[0] - local.origin
+        saved = (mean.to(dtype), var.rsqrt().to(dtype), *kept)
+        output = GenericKernels._x_hat(local.z, saved)
+        if weight is not None:
+            output.mul_(per_channel(weight.to(dtype), output.dim()))
+        if bias is not None:
+            output.add_(per_channel(bias.to(dtype), output.dim()))
+        running = (rows[0].to(dtype), rows[2].to(dtype))
+        return Normalized(output.to(local.z.dtype), saved, running, eps)
+
+    @staticmethod
+    def _x_hat(z: Tensor, saved) -> Tensor:
+        mean, invstd = saved[:2]
+        return (z.to(mean.dtype) - per_channel(mean, z.dim())).mul_(per_channel(invstd, z.dim()))
+
+    @classmethod
+    def backward_sums(
+        cls, dy: Tensor, z: Tensor, saved, weight, need_weight: bool, need_bias: bool, eps: float
+    ):
+        dims = [0, *range(2, z.dim())]
+        wide_dy = dy.to(saved[0].dtype)
+        sum_dy = wide_dy.sum(dims)
+        sum_dy_xhat = (wide_dy * cls._x_hat(z, saved)).sum(dims)
+        return sum_dy, sum_dy_xhat, sum_dy_xhat, sum_dy
+
+    @classmethod
+    def grad_input(
+        cls, dy: Tensor, z: Tensor, saved, weight, reduced: Tensor, count: Tensor, eps: float
+    ) -> Tensor:
+        """dx = scale * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all participants."""
+        mean, invstd = saved[:2]
+        scale = invstd if weight is None else invstd * weight.to(invstd.dtype)
+        means = (reduced / count).to(mean.dtype)
+        if len(saved) > 2:  # clipped variance: no gradient through it in clipped channels
+            means[1].mul_(saved[2])
+        nd = z.dim()
+        inner = dy.to(mean.dtype) - per_channel(means[0], nd)
+        inner.sub_(cls._x_hat(z, saved).mul_(per_channel(means[1], nd)))
+        return inner.mul_(per_channel(scale, nd)).to(dy.dtype)
+
+    @staticmethod
+    def match_layout(dy: Tensor, z: Tensor) -> Tensor:
+        return dy
+
+
+Kernels = type[CudaKernels] | type[CpuKernels] | type[GenericKernels]
+_routes: dict[str, Kernels] = {}
+
+
+def kernels_for(device: torch.device) -> Kernels:
+    """The kernels for ``device``'s type: CPU, CUDA (ROCm is ``cuda`` too), or generic for the rest."""
+    if device.type in _routes:
+        return _routes[device.type]
+    if device.type == "cpu":
+        return CpuKernels
+    return CudaKernels if device.type == "cuda" else GenericKernels
+
+
+@contextlib.contextmanager
+def routed(device_type: str, kernels: Kernels) -> Iterator[None]:
+    """Run ``device_type``'s tensors through ``kernels`` inside the block (tests: CUDA's path on the CPU)."""
+    previous = _routes.get(device_type)
+    _routes[device_type] = kernels
+    try:
+        yield
+    finally:
+        if previous is None:
+            _routes.pop(device_type, None)
+        else:
+            _routes[device_type] = previous

@@ -61,9 +61,15 @@ def pack_moments(mean: Tensor, var: Tensor, base: Tensor | None, count: int, row
     ``base`` is ``K - origin``: the shared shift in the coordinates ``mean`` is given in (None for 0).
     ``row`` is the call's tail; its count slot holds 1 and becomes ``count`` here.
     """
-    d = mean.double() if base is None else torch.sub(mean, base)  # float64 either way
-    q = torch.addcmul(var, d, d)
-    payload = torch.cat([d, q, q, row])
+    if base is None:  # cat promotes mean and var to float64 (exactly); q = var + d^2 in float64
+        payload = torch.cat([mean, var, var, row])
+        c = mean.numel()
+        d, q = payload[:c], payload[c : 3 * c].view(2, c)
+        q.addcmul_(d, d)
+    else:
+        d = torch.sub(mean, base)  # float64
+        q = torch.addcmul(var, d, d)
+        payload = torch.cat([d, q, q, row])
     payload[: 3 * d.numel() + 1].mul_(count)
     return payload
 
@@ -92,7 +98,8 @@ def merge(payload: Tensor, scratch: dict) -> Stats:
 
 
 def running_stat_weight(payload: Tensor, momentum: float | None, out: Tensor, batches: Tensor | None) -> None:
-    """Write into ``out`` the weight of this call's running-statistics update, 0 if the call was bad.
+    """Write into ``out`` the weight of this call's running-statistics update, 0 if the call was bad, and
+    count the call in ``batches`` (``num_batches_tracked``) only if it was good.
 
     The guard slot reduces to ``1 - failed - W sum(t^2)`` and ``sum_t (sum t)^2`` is added to it: the
     result is 1 when all ranks sent the same identity and none failed, else at most 0 (Cauchy-Schwarz).
@@ -100,12 +107,19 @@ def running_stat_weight(payload: Tensor, momentum: float | None, out: Tensor, ba
     c = (payload.numel() - TAIL) // 3
     tail = payload[3 * c :]
     ident = tail[IDENTITY]
-    healthy = torch.addmv(tail[GUARD : GUARD + 1], ident.view(1, -1), ident)
-    healthy.clamp_(0.0, 1.0)
+    healthy = torch.addmv(tail[GUARD : GUARD + 1], ident.view(1, -1), ident).gt(0.5)  # (1,) bool
+    if batches is not None:
+        batches.add_(healthy.view(()))
+    # bool (x) scalar or int64 computes in float32: exact for float32 buffers; others get out's dtype first
+    exact = out.dtype == torch.float32
     if momentum is not None:
-        torch.mul(healthy, momentum, out=out)
-    else:  # cumulative average: weight 1 / num_batches_tracked
-        torch.div(healthy, batches, out=out)
+        if exact:
+            torch.mul(healthy, momentum, out=out)
+        else:
+            out.copy_(healthy).mul_(momentum)
+    else:  # cumulative average: weight 1 / num_batches_tracked (0 before any good call, not 0 / 0)
+        count = batches.clamp_min(1)
+        torch.div(healthy, count if exact else count.to(out.dtype), out=out)
 
 
 class Verdict(NamedTuple):

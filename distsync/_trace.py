@@ -8,7 +8,8 @@ CUDA path uses; :func:`fake_cuda_world` registers shape-only ones for the trace.
 
 Used by ``tests/test_cuda_trace.py`` and ``benchmarks/cuda_trace.py`` (which also traces
 ``nn.SyncBatchNorm``, whose ``batch_norm_stats`` and ``batch_norm_gather_stats_with_counts`` get
-shape-only kernels here too).
+shape-only kernels here too). Without a driver no stream, event or capture query can run either:
+:func:`fake_runtime` stands in for the few runtime calls of ``distsync._health``.
 """
 
 from __future__ import annotations
@@ -109,6 +110,65 @@ def _register_fake_kernels(library: torch.library.Library) -> None:
     library.impl("batch_norm_backward_elemt", backward_elemt, "Meta")
 
 
+class FakeEvent:
+    """Stands for a CUDA event: which stream it was recorded on; ready after ``ready_after`` queries."""
+
+    def __init__(self, stream, ready_after: int = 0) -> None:
+        self.stream, self.queries, self.ready_after = stream, 0, ready_after
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries > self.ready_after
+
+
+class FakeRuntime:
+    """The runtime calls of ``distsync._health`` without a driver: streams are named, events are
+    :class:`FakeEvent`, capture is off unless ``capturing`` is set; ``launches`` logs every copy."""
+
+    def __init__(self) -> None:
+        self.capturing_now = False
+        self.streams: dict = {}  # device -> current stream name
+        self.launches: list[tuple[str, str, int]] = []  # (tails' device, stream made current, calls)
+        self.events: list[FakeEvent] = []
+        self._current = None
+
+    def capturing(self, device) -> bool:
+        return self.capturing_now
+
+    def current_stream(self, device):
+        return self.streams.get(str(device), f"{device}:default")
+
+    @contextlib.contextmanager
+    def on(self, stream):
+        previous, self._current = self._current, stream
+        try:
+            yield
+        finally:
+            self._current = previous
+
+    def host_buffer(self, like):
+        self.launches.append((str(like.device), self._current, like.shape[0]))
+        return torch.empty(like.shape, dtype=like.dtype)
+
+    def record(self, stream):
+        event = FakeEvent(stream)
+        self.events.append(event)
+        return event
+
+
+@contextlib.contextmanager
+def fake_runtime() -> Iterator[FakeRuntime]:
+    """Route ``distsync._health``'s runtime calls to a :class:`FakeRuntime` inside the block."""
+    from . import _health
+
+    runtime, previous = FakeRuntime(), _health._device
+    _health._device = runtime
+    try:
+        yield runtime
+    finally:
+        _health._device = previous
+
+
 _library: torch.library.Library | None = None
 
 
@@ -124,7 +184,7 @@ def fake_cuda_world(world_size: int = 2) -> Iterator[None]:
         _register_fake_kernels(_library)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        with FakeTensorMode(allow_non_fake_inputs=False):
+        with FakeTensorMode(allow_non_fake_inputs=False), fake_runtime():
             yield
     finally:
         dist.destroy_process_group()

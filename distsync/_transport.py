@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -25,9 +26,24 @@ class ProcessGroupReducer:
         self.world_size = world_size
         self.first = dist.get_rank(process_group) == 0
 
+    @property
+    def timeout(self) -> float | None:
+        """How long a collective of the group may wait for a peer, in seconds (None if unknown)."""
+        return _timeout_seconds(self.process_group)
+
     def all_reduce(self, payload: Tensor) -> Tensor:
         dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=self.process_group)
         return payload
+
+
+def _timeout_seconds(process_group: dist.ProcessGroup | None) -> float | None:
+    group = process_group or dist.group.WORLD
+    try:
+        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        backend = group._get_backend(device)
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError):  # a backend without options (fake, custom)
+        return None
 
 
 def process_group_reducer(process_group: dist.ProcessGroup | None) -> ProcessGroupReducer | None:

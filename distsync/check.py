@@ -152,13 +152,17 @@ def run_case(case: Case, rank: int, seed: int = 0, device: str = "cpu") -> dict[
     return errors
 
 
-def tolerance(case: Case, world_size: int = 2) -> float:
-    """Largest relative error accepted for ``case``.
+def tolerance(case: Case, world_size: int = 2, device: str = "cpu") -> float:
+    """Largest relative error accepted for ``case`` on ``device``.
 
-    A mean far from zero gets no extra slack when synchronized. A single rank has nobody to sync with
-    and runs plain ``nn.BatchNorm``, whose float32 kernels lose ``offset * 2^-24`` there.
+    A mean far from zero gets no extra slack when synchronized on the CPU, which normalizes a shifted copy
+    of the input. A single rank has nobody to sync with and runs plain ``nn.BatchNorm``, and the CUDA
+    path, like native CUDA BatchNorm, normalizes with a float32 mean (``batch_norm_elemt`` takes the
+    accumulate type): both lose ``offset * 2^-24`` of float32 and half inputs' accuracy there (about
+    6e-4 at ``offset=1e4``), which is PyTorch's own accuracy on that device.
     """
-    if world_size == 1 and case.offset:
+    float32_mean = device != "cpu" and case.dtype != torch.float64
+    if (world_size == 1 or float32_mean) and case.offset:
         return max(_TOLERANCE[case.dtype], case.offset * 2.0**-24 * 10)
     return _TOLERANCE[case.dtype]
 
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     for index, case in enumerate(cases):
         worst = {key: max(rank_errors[index][key] for rank_errors in per_rank) for key in per_rank[0][index]}
         error = max(worst.values())
-        limit = tolerance(case, args.nproc)
+        limit = tolerance(case, args.nproc, args.device)
         failed += error > limit
         verdict = "PASS" if error <= limit else "FAIL"
         print(f"{verdict}  max rel. error {error:.1e} (tol {limit:.0e})  {case.describe()}")

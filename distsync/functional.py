@@ -24,15 +24,19 @@ def _all_reduce(reducer: Reducer, payload: Tensor, tag: CallTag) -> None:
         raise SyncError(f"the all-reduce of {tag.describe()} failed: {error}") from error
 
 
-def _check(payload: Tensor, tag: CallTag, world_size: int, problem: str | None, training: bool) -> None:
-    """Raise now on the CPU, where the reduced values cost nothing to read; elsewhere defer the check."""
+def _check(
+    payload: Tensor, tag: CallTag, reducer: Reducer, problem: str | None, training: bool, kernels
+) -> None:
+    """Raise now on the CPU, where the reduced values cost nothing to read; elsewhere (and under
+    ``torch.compile``, which must not read them) defer the check to ``_health``."""
     tail = payload[payload.numel() - _moments.TAIL :]
-    if payload.device.type == "cpu":
+    world_size = reducer.world_size
+    if not (kernels.deferred or torch.compiler.is_compiling()):
         _moments.raise_for(_moments.verdict(tail.tolist(), world_size), tag, world_size, problem, training)
         return
     if problem is not None:  # this rank knows already; the others learn it from the reduced flag
         raise ValueError(problem)
-    _health.defer(tail, tag, world_size, training)
+    _health.defer(tail, tag, world_size, training, getattr(reducer, "timeout", None))
 
 
 def _update_running_stats(
@@ -40,13 +44,13 @@ def _update_running_stats(
 ) -> None:
     """Move the running statistics towards this call's, by a weight that is 0 for a bad call."""
     running_mean, running_var, num_batches_tracked = buffers
-    if num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
     dtype = torch.float32 if running_mean.dtype in (torch.float16, torch.bfloat16) else running_mean.dtype
     key = ("weight", running_mean.device, dtype)
     weight = state.scratch.get(key)
     if weight is None:
         weight = state.scratch[key] = torch.zeros(1, dtype=dtype, device=running_mean.device)
+    # num_batches_tracked counts healthy calls only, decided from reduced values: the same on every rank,
+    # the one that rejected its input included (it never gets here, and the call counts on no rank).
     _moments.running_stat_weight(payload, momentum, weight, num_batches_tracked)
     mean, var = (end.to(dtype) for end in ends)
     if guard_count:  # some rank may have had 0 or 1 value: statistics may be NaN, keep the old ones then
@@ -89,7 +93,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         kernels = kernels_for(input.device)
         row = state.tail(tag, reducer.world_size, reducer.first, input.device)
         count = 0 if problem else input.numel() // max(num_features, 1)
-        keeps_shift = _keeps_shift(input)
+        keeps_shift = _keeps_shift(input, kernels)
         if state.shift is not None and state.shift.device != input.device:
             state.shift = None  # the layer moved: start again from zero
         local = None
@@ -105,7 +109,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
                 local.mean, local.var, _base(state, local, keeps_shift), count, row
             )
         _all_reduce(reducer, payload, tag)
-        _check(payload, tag, reducer.world_size, problem, training=True)
+        _check(payload, tag, reducer, problem, True, kernels)
         stats = _moments.merge(payload, state.scratch)
         rows = stats.rows  # mean - shift, biased and unbiased variance (float64)
         if keeps_shift:
@@ -162,16 +166,16 @@ def _sync_backward(ctx, first: Tensor, second: Tensor) -> Tensor:
     row = state.tail(tag, reducer.world_size, reducer.first, first.device)
     payload = _moments.pack_sums(first, second, row)
     _all_reduce(reducer, payload, tag)
-    _check(payload, tag, reducer.world_size, None, training=False)
+    _check(payload, tag, reducer, None, False, ctx.kernels)
     return payload[: 2 * first.numel()].view(2, -1)
 
 
-def _keeps_shift(input: Tensor) -> bool:
+def _keeps_shift(input: Tensor, kernels) -> bool:
     """Merge around the previous global mean where the input's precision is worth it (the same on every
     rank): on the CPU, whose float32/float64 path keeps its accuracy for any mean, and for float64."""
     if input.dtype in (torch.float16, torch.bfloat16):
         return False
-    return input.device.type == "cpu" or input.dtype == torch.float64
+    return kernels.keeps_any_shift or input.dtype == torch.float64
 
 
 def _base(state: SyncState, local, keeps_shift: bool) -> Tensor | None:

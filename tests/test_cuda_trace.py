@@ -79,3 +79,54 @@ def test_a_host_read_in_the_traced_path_would_be_caught():
 
     with fake_cuda_world(2), pytest.raises(DataDependentOutputException):
         torch.ones(3, device="cuda").sum().item()
+
+
+def _synced_calls(layers, devices, steps):
+    """Forward and backward (through grad_fn) of each layer on its device, ``steps`` times."""
+    for _ in range(steps):
+        for layer, device in zip(layers, devices, strict=True):
+            out = layer(torch.randn(4, layer.num_features, 2, 2, device=device).requires_grad_())
+            out.grad_fn.apply(torch.randn_like(out))
+
+
+def test_several_gpus_in_one_process_are_checked_per_device_and_stream():
+    """Items 1 and 2: tails on two GPUs are copied per device, on the stream that produced them (here a
+    side stream on cuda:1, used without set_device), each behind an event recorded on that stream."""
+    import distsync
+    from distsync._trace import fake_cuda_world
+
+    _health._monitor.__init__()
+    with fake_cuda_world(2):
+        runtime = _health._device
+        runtime.streams["cuda:1"] = "side stream of cuda:1"
+        devices = ["cuda:0", "cuda:1"]
+        layers = [distsync.DistSyncBatchNorm2d(3, device=device) for device in devices]
+        _synced_calls(layers, devices, steps=2)  # 8 deferred calls: one launch
+        launches, events = list(runtime.launches), [event.stream for event in runtime.events]
+    _health._monitor.__init__()
+    assert sorted(launches) == [("cuda:0", "cuda:0:default", 4), ("cuda:1", "side stream of cuda:1", 4)]
+    assert sorted(events) == ["cuda:0:default", "side stream of cuda:1"]
+
+
+def test_capture_does_no_host_work_and_keeps_the_trace():
+    """Item 4: while a CUDA graph is captured, synced calls queue, copy, record and query nothing (here 3
+    training steps, more than one lag of calls), and stay within the trace budget."""
+    import distsync
+    from distsync._trace import fake_cuda_world, record
+
+    _health._monitor.__init__()
+    with fake_cuda_world(2):
+        runtime = _health._device
+        layer = distsync.DistSyncBatchNorm2d(16, device="cuda")
+        _synced_calls([layer], ["cuda"], steps=1)  # warm-up outside the capture, as torch requires
+        runtime.capturing_now = True
+        x = torch.randn(8, 16, 6, 6, device="cuda", requires_grad=True)
+        with record(x.numel()) as forward:
+            layer(x)
+        _synced_calls([layer], ["cuda"], steps=4)
+        captured = len(_health._monitor._captured)
+        runtime.capturing_now = False
+    _health._monitor.__init__()
+    assert runtime.launches == [] and runtime.events == []
+    assert captured == 1 + 2 * 4
+    assert forward.host_transfers == [] and len(forward.ops) <= FORWARD_OPS
