@@ -31,7 +31,6 @@ from ._identity import (
     FAILED,
     GUARD,
     IDENTITY,
-    LAYER,
     SQUARES,
     TAIL,
     CallTag,
@@ -117,11 +116,13 @@ class Verdict(NamedTuple):
 def verdict(tail: list[float], world_size: int) -> Verdict:
     """What the reduced ``tail`` says about its call (host values, identical on every rank)."""
     ident, squares = tail[IDENTITY], tail[SQUARES]
-    names = {LAYER: "layer", DIRECTION: "direction", CALL: "call count"}
+    names = {DIRECTION: "direction", CALL: "call count"}
     disagreeing = tuple(
-        names[IDENTITY.start + i]
-        for i, (s, sq) in enumerate(zip(ident, squares, strict=True))
-        if s * s != world_size * sq
+        dict.fromkeys(  # the layer's digits are reported once
+            names.get(IDENTITY.start + i, "layer")
+            for i, (s, sq) in enumerate(zip(ident, squares, strict=True))
+            if s * s != world_size * sq
+        )
     )
     return Verdict(int(tail[COUNT]), int(tail[FAILED]), disagreeing)
 
