@@ -1,6 +1,7 @@
 """distsync: synchronized batch norm and data-parallel tools natively on ``torch.distributed``."""
 
 from ._health import check_sync
+from ._identity import name_layers
 from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
 from .convert import BatchNormNd, convert_sync_batchnorm, revert_sync_batchnorm
 from .distributed import init_distributed
@@ -23,6 +24,7 @@ __all__ = [
     "create_syncbn_process_group",
     "convert_sync_batchnorm",
     "init_distributed",
+    "name_layers",
     "revert_sync_batchnorm",
     *_shim_names,
 ]

@@ -1,12 +1,26 @@
 """Which layer, direction and call a sync payload belongs to, the same on every rank.
 
-A layer's identity is its module path (``layer1.0.bn1``, found at its first sync in the outermost module
-being called that holds it), its width and how many deep copies away from a built or loaded layer it is,
-hashed to a bounded integer. It does not depend on how many layers each process built, nor on whether a
-process built its model or unpickled it; a deep copy (an EMA teacher) is never taken for its original.
-Every call adds ``[layer, direction, call]`` and their squares to the payload tail: after a SUM over W
-participants, ``(sum t)^2 == W sum(t^2)`` for each field iff all sent the same value. The values are kept
-below a modulus ``m`` with ``3 (W m)^2 < 2^53``, so float64 holds every term exactly.
+A layer's identity is its module path from the root of the module tree that holds it (``layer1.0.bn1``),
+its width and how many deep copies away from a built or loaded layer it is, hashed to 64 bits. No frame
+is inspected: the path comes from
+
+* registration records: every ``nn.Module`` registration (``setattr``, ``add_module``) records the child's
+  parent and name, so a layer built in this process walks up to its root. A tree that arrives without
+  records (unpickled or deep-copied) gets them when it is registered in a parent (DDP, ``torch.compile``,
+  an outer module), from that parent down;
+* a stamp: pickling or deep-copying a layer stores the path it has at that moment, so a model
+  ``torch.load``-ed whole (and never registered anywhere) knows the paths of the process that saved it.
+
+The slots of wrappers (DDP's and DataParallel's ``module``, ``torch.compile``'s ``_orig_mod``, FSDP's and
+checkpoint wrappers' inner module) are left out, so a wrapper on some ranks only changes nothing. Paths
+are from the root, so ``model.encoder(x)`` and ``model.decoder(y)`` called directly are told apart.
+Two separately built models of one structure are indistinguishable by construction: name them with
+:func:`name_layers` if ranks may call them in different orders.
+
+Every call adds ``[layer (4 digits), direction, call]`` and their squares to the payload tail: after a
+SUM over W participants, ``(sum t)^2 == W sum(t^2)`` for each field iff all sent the same value. The values
+are kept below a modulus ``m`` with ``6 (W m)^2 < 2^53``, so float64 holds every term exactly; the layer
+hash is written as four base-``m`` digits (all 64 bits for ``m >= 2^16``, i.e. up to 600 ranks).
 
 Tails live on the device in small per-layer tables (a block of consecutive calls per direction), so a call
 selects its tail as a view: no host-to-device copy per call.
@@ -14,27 +28,30 @@ selects its tail as a view: no host-to-device copy per call.
 
 from __future__ import annotations
 
-import sys
+import hashlib
 import weakref
-import zlib
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-# Tail slots: [count | failed | layer, direction, call | their squares | guard].
-COUNT, FAILED, LAYER, DIRECTION, CALL = 0, 1, 2, 3, 4
-IDENTITY, SQUARES, GUARD = slice(2, 5), slice(5, 8), 8
-TAIL = 9
+# Tail slots: [count | failed | layer digits (4), direction, call | their squares | guard].
+COUNT, FAILED = 0, 1
+LAYER_DIGITS = 4
+LAYER, DIRECTION, CALL = 2, 2 + LAYER_DIGITS, 3 + LAYER_DIGITS
+_FIELDS = LAYER_DIGITS + 2
+IDENTITY, SQUARES = slice(2, 2 + _FIELDS), slice(2 + _FIELDS, 2 + 2 * _FIELDS)
+GUARD = 2 + 2 * _FIELDS
+TAIL = GUARD + 1
 FORWARD, BACKWARD = 0, 1
 _DIRECTIONS = ("forward", "backward")
 _BLOCK = 64  # calls per tail table
-_EXACT = 2**53 / 3  # (W m)^2 must stay below this
+_EXACT = 2**53 / _FIELDS  # (W m)^2 must stay below this
 MAX_WORLD_SIZE = int(_EXACT**0.5) // _BLOCK
 
 
 def call_modulus(world_size: int) -> int:
-    """Largest multiple of the table block (at most 2^20) with ``3 (W m)^2 < 2^53``."""
+    """Largest multiple of the table block (at most 2^20) with ``6 (W m)^2 < 2^53``."""
     if world_size > MAX_WORLD_SIZE:
         raise ValueError(
             f"distsync's exact desync check supports at most {MAX_WORLD_SIZE} participants per "
@@ -56,102 +73,177 @@ class CallTag(NamedTuple):
         return f"{self.layer_name}, {_DIRECTIONS[self.direction]} call #{self.call}"
 
 
-# Every module's latest parent and its name there, recorded as modules are registered, so that a layer
-# constructed directly inside a model can find its own path when it first syncs.
+# Every module's latest parent and its name there, recorded as modules are registered.
 _parents: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, str]] = weakref.WeakKeyDictionary()
+
+# Slots through which a wrapper holds the module it wraps: not part of a path.
+_WRAPPER_SLOTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
+def _is_wrapper_slot(parent: nn.Module, name: str) -> bool:
+    if name in _WRAPPER_SLOTS:
+        return True
+    return name == "module" and isinstance(parent, (nn.DataParallel, nn.parallel.DistributedDataParallel))
 
 
 def _record_parent(parent: nn.Module, name: str, child: nn.Module | None) -> None:
-    if child is not None:
-        _parents[child] = (weakref.ref(parent), name)
+    if not isinstance(child, nn.Module):
+        return
+    _parents[child] = (weakref.ref(parent), name)
+    if any(isinstance(c, nn.Module) and c not in _parents for c in child._modules.values()):
+        _record_subtree(child)  # an unpickled or deep-copied tree: record it from here down
+
+
+def _record_subtree(root: nn.Module) -> None:
+    stack, seen = [root], {id(root)}
+    while stack:
+        module = stack.pop()
+        for name, child in module._modules.items():
+            if child is None or id(child) in seen:
+                continue
+            seen.add(id(child))
+            if child not in _parents:
+                _parents[child] = (weakref.ref(module), name)
+            stack.append(child)
 
 
 nn.modules.module.register_module_module_registration_hook(_record_parent)
 
 
-def module_path(module: nn.Module) -> str:
-    """Dotted path of ``module`` from the outermost module that registered it ('' for a module on its own).
+def _parent_of(module: nn.Module) -> tuple[nn.Module, str] | None:
+    """The parent that holds ``module`` now and its name there, from the registration record."""
+    record = _parents.get(module)
+    parent = None if record is None else record[0]()
+    if parent is None:
+        return None
+    children = getattr(parent, "_modules", {})
+    if children.get(record[1]) is module:
+        return parent, record[1]
+    for name, child in children.items():  # renamed in place (nn.Sequential renumbers after a deletion)
+        if child is module:
+            _parents[module] = (record[0], name)
+            return parent, name
+    return None  # removed from that parent since
 
-    Registration records exist for modules built in this process; unpickled or deep-copied trees have none,
-    which is why a syncing layer asks :func:`layer_path` instead.
+
+def registered_path(module: nn.Module) -> str | None:
+    """Dotted path of ``module`` from the root of its registration records, wrapper slots left out.
+
+    ``''`` for a root, None for a module without a record (one unpickled or deep-copied on its own).
     """
+    link = _parent_of(module)
+    if link is None:
+        return None if module not in _parents else ""
     names, seen = [], {id(module)}
-    while module in _parents:
-        parent_ref, name = _parents[module]
-        parent = parent_ref()
-        if parent is None or id(parent) in seen or getattr(parent, "_modules", {}).get(name) is not module:
-            break
-        names.append(name)
+    while link is not None and id(link[0]) not in seen:
+        parent, name = link
+        if not _is_wrapper_slot(parent, name):
+            names.append(name)
         seen.add(id(parent))
-        module = parent
+        link = _parent_of(parent)
     return ".".join(reversed(names))
 
 
-def _calling_modules() -> list[nn.Module]:
-    """Modules whose forward is running in this thread, outermost first (from their frames' ``self``)."""
-    modules, seen = [], set()
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, nn.Module) and id(owner) not in seen:
-            seen.add(id(owner))
-            modules.append(owner)
-        frame = frame.f_back
-    return modules[::-1]
+def module_path(module: nn.Module) -> str:
+    """Dotted path of ``module`` from the root of its registration records ('' for a module on its own)."""
+    return registered_path(module) or ""
 
 
 def layer_path(layer: nn.Module) -> str:
-    """Dotted path of ``layer`` in the outermost module being called that holds it.
+    """The path a synchronized layer is identified by: a name given with :func:`name_layers`, else its
+    registered path, else the path stamped on it when it was pickled or copied, else ''."""
+    state = getattr(layer, "_sync_state", None)
+    if state is not None and state.name is not None:
+        return state.name
+    path = registered_path(layer)
+    if path is None and state is not None:
+        path = state.path
+    return path or ""
 
-    The same on every rank that runs the same model, however each process got its copy (built, converted,
-    ``torch.load``-ed whole, deep-copied) and whatever else it holds it in. A layer called on its own falls
-    back to its registration path.
-    """
-    for root in _calling_modules():
-        if root is layer:
-            break
-        for name, module in root.named_modules(remove_duplicate=False):
-            if module is layer:
-                return name
-    return module_path(layer)
+
+def stamp_path(layer: nn.Module) -> None:
+    """Store ``layer``'s current path in its sync state, which pickling and deep copies carry along."""
+    state = getattr(layer, "_sync_state", None)
+    if state is not None:
+        path = registered_path(layer)
+        if path is not None:
+            state.path = path
 
 
 def layer_hash(path: str, num_features: int, copies: int = 0) -> int:
-    return zlib.crc32(f"{path}:{num_features}:{copies}".encode())
+    """64-bit identity of a layer (the same in every process: not Python's salted ``hash``)."""
+    digest = hashlib.blake2b(f"{path}:{num_features}:{copies}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def name_layers(module: nn.Module, name: str) -> nn.Module:
+    """Name the synchronized layers of ``module`` ``name.<path in module>`` for the cross-rank desync check.
+
+    Layers are told apart across ranks by their path from the root of their module tree. Two separately
+    built models of the same structure (two students, a model and its re-built copy) have the same paths:
+    if ranks may call them in different orders, name them, on every rank, before their first
+    synchronized call::
+
+        >>> distsync.name_layers(teacher, "teacher")
+        >>> distsync.name_layers(student, "student")
+
+    The names survive pickling and deep copies (a deep copy still counts as another layer). Returns
+    ``module``.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name_layers needs a non-empty string name, got {name!r}")
+    for path, layer in module.named_modules():
+        state = getattr(layer, "_sync_state", None)
+        if isinstance(state, SyncState):
+            state.name = f"{name}.{path}" if path else name
+            state.identity = None  # resolved again at the next synchronized call
+    return module
 
 
 class SyncState:
     """A synchronized layer's identity, call counts and device-side tails, plus its merge shift.
 
-    Copies start with fresh counts and no cached tensors. A deep copy also counts one more generation
-    (``copies``), so a teacher copied from a student never passes for it in the desync check; an unpickled
-    layer counts as built (``copies == 0``), so a model loaded whole on one rank matches the model built on
-    another.
+    Copies start with fresh counts and no cached tensors, and keep the path stamp and explicit name. A
+    deep copy also counts one more generation (``copies``), so a teacher copied from a student never
+    passes for it in the desync check; an unpickled layer counts as built (``copies == 0``), so a model
+    loaded whole on one rank matches the model built on another.
     """
 
-    def __init__(self, layer_name: str = "", copies: int = 0) -> None:
-        self.layer_name = layer_name  # the module path once known
+    def __init__(
+        self, layer_name: str = "", copies: int = 0, path: str | None = None, name: str | None = None
+    ) -> None:
+        self.layer_name = layer_name  # for messages, once the identity is known
         self.copies = copies  # deep copies between this layer and one built or unpickled
+        self.path = path  # the path stamped when the layer was pickled or copied
+        self.name = name  # explicit name (name_layers), preferred to any path
         self.identity: int | None = None
         self.calls = [0, 0]
-        self.shift: Tensor | None = None  # previous global mean (float64), shared by every rank
+        self.shift: Tensor | None = None  # merge shift (float64), shared by every rank
+        self.shift_ref: Tensor | None = None  # variance of the call the shift was judged against
         self._tables: dict = {}
         self.scratch: dict = {}  # small per-device tensors reused call after call
 
     def __deepcopy__(self, memo) -> SyncState:
-        return SyncState(self.layer_name, self.copies + 1)
+        return SyncState(self.layer_name, self.copies + 1, self.path, self.name)
 
     def __getstate__(self) -> dict:
-        return {"layer_name": self.layer_name}
+        return {"layer_name": self.layer_name, "path": self.path, "name": self.name}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["layer_name"])
+        self.__init__(state.get("layer_name", ""), 0, state.get("path"), state.get("name"))
 
     def fresh_copy(self) -> SyncState:
         """Same identity and counts, own tables (for a replica that syncs on its own)."""
-        copy = SyncState(self.layer_name, self.copies)
+        copy = SyncState(self.layer_name, self.copies, self.path, self.name)
         copy.identity, copy.calls = self.identity, list(self.calls)
         return copy
+
+    def resolve(self, layer: nn.Module, num_features: int) -> None:
+        """Fix the identity of ``layer`` (at its first synchronized call)."""
+        path = layer_path(layer)
+        self.identity = layer_hash(path, num_features, self.copies)
+        kind = type(layer).__name__
+        self.layer_name = f"'{path}' ({kind})" if path else kind
 
     def next_tag(self, direction: int) -> CallTag:
         call = self.calls[direction]
@@ -166,27 +258,28 @@ class SyncState:
         block, table = self._tables.get(key, (None, None))
         if block != call // _BLOCK:
             block = call // _BLOCK
-            layer = tag.layer_id % modulus
-            table = _tail_table(layer, tag.direction, block * _BLOCK, world_size, first, device)
+            digits = [(tag.layer_id // modulus**i) % modulus for i in range(LAYER_DIGITS)]
+            table = _tail_table(digits, tag.direction, block * _BLOCK, world_size, first, device)
             self._tables[key] = (block, table)
         return table[call % _BLOCK]
 
 
-def _tail_table(layer: int, direction: int, start: int, world_size: int, first: bool, device) -> Tensor:
+def _tail_table(
+    digits: list[int], direction: int, start: int, world_size: int, first: bool, device
+) -> Tensor:
     """Tails of ``_BLOCK`` consecutive calls, built on the device from host scalars (no copy)."""
     calls = torch.arange(start, start + _BLOCK, dtype=torch.float64, device=device)
     constant = calls.new_zeros(()).expand(_BLOCK)
     squares = calls * calls
-    fixed_squares = float(layer * layer + direction * direction)
+    fixed = [*digits, direction]
+    fixed_squares = float(sum(v * v for v in fixed))
     guard = torch.add(squares, fixed_squares).mul_(-world_size).add_(1.0 if first else 0.0)
     columns = [
         constant + (1.0 if direction == FORWARD else 0.0),
         constant,
-        constant + float(layer),
-        constant + float(direction),
+        *(constant + float(v) for v in fixed),
         calls,
-        constant + float(layer * layer),
-        constant + float(direction * direction),
+        *(constant + float(v * v) for v in fixed),
         squares,
         guard,
     ]

@@ -6,9 +6,9 @@ the wrong direction meets a well-formed reduction instead of a size mismatch::
     [ first (C) | second (C) | second again (C) | tail (TAIL) ]
 
 Forward sends ``first = n (m - K)`` and ``second = n (v + (m - K)^2)`` from this rank's ``n`` values per
-channel, their mean ``m`` and biased variance ``v``, around a shift ``K`` that every rank shares (the
-previous global mean where accuracy needs it, else zero), so the merge ``E[(x-K)^2] - E[x-K]^2`` cancels
-only what ``|mean - K|`` makes it cancel. The second block is sent twice so that one division gives the
+channel, their mean ``m`` and biased variance ``v``, around a shift ``K`` that every rank shares (a
+previous healthy global mean where accuracy needs it, else zero: see :func:`update_shift`), so the merge
+``E[(x-K)^2] - E[x-K]^2`` cancels only what ``|mean - K|`` makes it cancel. The second block is sent twice so that one division gives the
 mean, the biased and the unbiased variance. Backward sends the local sums of its gradient formula.
 
 The tail (see :mod:`distsync._identity`) carries the count, a rejected-input flag and the call identity
@@ -31,7 +31,6 @@ from ._identity import (
     FAILED,
     GUARD,
     IDENTITY,
-    LAYER,
     SQUARES,
     TAIL,
     CallTag,
@@ -97,6 +96,45 @@ def merge(payload: Tensor, scratch: dict) -> Stats:
     return Stats(rows, count)
 
 
+# The shift: the merge cancels ``log10((mean - K)^2 / var)`` of float64's 16 digits, so K only has to be
+# near the call's mean, in units of its standard deviation, and exactly the same on every rank. It is a
+# previous global mean, updated from reduced values on the device (no host sync), per channel, by two rules:
+# * health: only a call with values (count > 0) and a finite mean and variance moves K, so an empty global
+#   batch (0/0) or one NaN/Inf element leaves it where it was, and the next call is as exact as ever;
+# * no jumps: a call whose variance exceeds SHIFT_JUMP times the previous healthy call's does not move K
+#   (its variance becomes the new reference, so a lasting change moves K one call later). One outlier x
+#   among N values moves the mean by x/N but the variance by about x^2/N, so a mean that passes this rule
+#   is at most about sqrt(SHIFT_JUMP / N) standard deviations from where the other values are: the outlier
+#   (1e10 in one element) costs the next call nothing, where adopting its mean would cost it every digit.
+# On the CPU, where reduced values are read anyway, a call whose merge still lost more than REFINE_DIGITS
+# (the first call, merged around zero, far from zero; a mean that really jumped) is merged again around its
+# own mean: a second all-reduce, decided alike on every rank, so every result keeps float64 accuracy. On
+# other devices that would need a host sync: there the first call merges around zero, and the rules above
+# keep the later ones accurate.
+SHIFT_JUMP = 2.0**10
+REFINE_DIGITS = 2.4  # (mean - K)^2 > 2^8 (var + eps)
+_REFINE = 2.0**8
+
+
+def costs_accuracy(rows: Tensor, eps: float) -> Tensor:
+    """Whether some channel's merge (``rows`` from :func:`merge`, mean relative to K) lost more than
+    ``REFINE_DIGITS`` digits of the variance it is normalized by (a 0-dim bool tensor; NaN never counts)."""
+    return (rows[0] * rows[0] > _REFINE * (rows[1] + eps)).any()
+
+
+def update_shift(state, rows: Tensor) -> None:
+    """Move ``state.shift`` (K) to this call's global mean ``rows[0]`` where the rules above allow it."""
+    mean, var = rows[0], rows[1]
+    healthy = mean.isfinite() & var.isfinite()
+    reference = state.shift_ref
+    adopt = healthy if reference is None else healthy & (var <= reference * SHIFT_JUMP)
+    fallback = torch.zeros_like(mean) if state.shift is None else state.shift
+    state.shift = torch.where(adopt, mean, fallback)
+    if reference is None:
+        reference = torch.full_like(var, float("inf"))
+    state.shift_ref = torch.where(healthy, var, reference)
+
+
 def running_stat_weight(payload: Tensor, momentum: float | None, out: Tensor, batches: Tensor | None) -> None:
     """Write into ``out`` the weight of this call's running-statistics update, 0 if the call was bad, and
     count the call in ``batches`` (``num_batches_tracked``) only if it was good.
@@ -131,11 +169,13 @@ class Verdict(NamedTuple):
 def verdict(tail: list[float], world_size: int) -> Verdict:
     """What the reduced ``tail`` says about its call (host values, identical on every rank)."""
     ident, squares = tail[IDENTITY], tail[SQUARES]
-    names = {LAYER: "layer", DIRECTION: "direction", CALL: "call count"}
+    names = {DIRECTION: "direction", CALL: "call count"}
     disagreeing = tuple(
-        names[IDENTITY.start + i]
-        for i, (s, sq) in enumerate(zip(ident, squares, strict=True))
-        if s * s != world_size * sq
+        dict.fromkeys(  # the layer's digits are reported once
+            names.get(IDENTITY.start + i, "layer")
+            for i, (s, sq) in enumerate(zip(ident, squares, strict=True))
+            if s * s != world_size * sq
+        )
     )
     return Verdict(int(tail[COUNT]), int(tail[FAILED]), disagreeing)
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ._identity import SyncState, layer_hash, layer_path
+from ._identity import SyncState, stamp_path
 from ._transport import Reducer, process_group_reducer
 from .functional import SyncBatchNormFunction
 
@@ -58,9 +58,11 @@ class DistSyncBatchNorm(_BatchNorm):
     Ranks out of step raise :class:`distsync.SyncMismatchError` on every rank; on the CPU at once, on
     GPUs at a later synchronized call or :func:`distsync.check_sync` (the checks run on the device).
 
-    A layer is identified across ranks by its module path in the model being called (found when it first
-    syncs) and its width, so processes may build other modules (an EMA copy, a probe) or load the model
-    whole without confusing it. A deep copy of a layer is a different layer than its original.
+    A layer is identified across ranks by its module path from the root of its model (wrappers such as
+    DDP or ``torch.compile`` left out) and its width, so processes may build other modules (an EMA copy, a
+    probe), wrap the model differently or load it whole without confusing it. A deep copy of a layer is a
+    different layer than its original. Separately built models of one structure share their paths: name
+    them with :func:`distsync.name_layers` when ranks may call them in different orders.
 
     Args:
         num_features: number of channels :math:`C` of an input of size :math:`(N, C, *)`
@@ -140,7 +142,13 @@ class DistSyncBatchNorm(_BatchNorm):
             )
         if not input.is_floating_point():
             return f"{self._layer_name()}: expected a floating-point input, got {input.dtype}"
+        if not self.eps > 0:  # what F.batch_norm checks in training
+            return f"{self._layer_name()}: batch_norm eps must be positive during training, got {self.eps}"
         return None
+
+    def __getstate__(self) -> dict:
+        stamp_path(self)  # a pickled or deep-copied layer keeps the path it has here (see _identity)
+        return super().__getstate__()
 
     # DataParallel copies other than copy 0 hold copies of the buffers: only copy 0 updates running stats.
     _updates_running_stats = True
@@ -176,15 +184,9 @@ class DistSyncBatchNorm(_BatchNorm):
 
     @torch.compiler.disable
     def _sync_forward(self, input: Tensor, reducer: Reducer) -> Tensor:
-        if not self.eps > 0:  # what F.batch_norm checks in training; the same on every rank
-            raise ValueError(
-                f"{self._layer_name()}: batch_norm eps must be positive during training, got {self.eps}"
-            )
         state = self._sync_state
         if state.identity is None:
-            path = layer_path(self)
-            state.identity = layer_hash(path, self.num_features, state.copies)
-            state.layer_name = f"'{path}' ({type(self).__name__})" if path else type(self).__name__
+            state.resolve(self, self.num_features)
         update_running = self.track_running_stats and self._updates_running_stats
         return SyncBatchNormFunction.apply(
             input,

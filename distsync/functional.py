@@ -68,7 +68,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
     """Batch norm whose statistics are those of the union of all participants' batches.
 
     Forward reduces per-channel count, mean and variance as shifted moment sums (float64); backward reduces
-    the two per-channel sums of the gradient formula. Weight and bias gradients stay local, like
+    the two per-channel sums of the gradient formula. The shift only moves on healthy calls, so an empty
+    global batch, a NaN/Inf element or an outlier changes no later call's result (``_moments``). Weight and bias gradients stay local, like
     ``nn.SyncBatchNorm``: DistributedDataParallel averages them. Not twice differentiable.
     """
 
@@ -95,27 +96,26 @@ class SyncBatchNormFunction(torch.autograd.Function):
         count = 0 if problem else input.numel() // max(num_features, 1)
         keeps_shift = _keeps_shift(input, kernels)
         if state.shift is not None and state.shift.device != input.device:
-            state.shift = None  # the layer moved: start again from zero
-        local = None
-        if problem is not None:
-            zeros = row.new_zeros(num_features)
-            payload = _moments.pack_sums(zeros, zeros, failed_row(row))
-        elif count == 0:
-            zeros = row.new_zeros(num_features)
-            payload = _moments.pack_moments(zeros, zeros, None, 0, row)
-        else:
-            local = kernels.local(input)
-            payload = _moments.pack_moments(
-                local.mean, local.var, _base(state, local, keeps_shift), count, row
-            )
+            state.shift = state.shift_ref = None  # the layer moved: start again from zero
+        local = None if problem is not None or count == 0 else kernels.local(input)
+        shift = state.shift if keeps_shift else None
+        payload = _pack(local, shift, count, row, num_features, problem)
         _all_reduce(reducer, payload, tag)
         _check(payload, tag, reducer, problem, True, kernels)
         stats = _moments.merge(payload, state.scratch)
+        if keeps_shift and _shift_costs_accuracy(stats.rows, eps, input.device):
+            # Rare, CPU only, decided from reduced values on every rank: merge again around this mean.
+            shift = stats.rows[0] if shift is None else stats.rows[0] + shift
+            shift = torch.where(shift.isfinite(), shift, 0.0)
+            payload = _pack(local, shift, count, row, num_features, None)
+            _all_reduce(reducer, payload, tag)
+            _check(payload, tag, reducer.world_size, None, training=True)
+            stats = _moments.merge(payload, state.scratch)
         rows = stats.rows  # mean - shift, biased and unbiased variance (float64)
+        if shift is not None:
+            rows[0].add_(shift)
         if keeps_shift:
-            if state.shift is not None:
-                rows[0].add_(state.shift)
-            state.shift = rows[0].clone()
+            _moments.update_shift(state, rows)
         normalized = None if local is None else kernels.normalize(local, weight, bias, rows, eps, clip)
         if running_mean is not None and running_var is not None:
             ends = (rows[0], rows[2]) if normalized is None else normalized.running
@@ -178,12 +178,25 @@ def _keeps_shift(input: Tensor, kernels) -> bool:
     return kernels.keeps_any_shift or input.dtype == torch.float64
 
 
-def _base(state: SyncState, local, keeps_shift: bool) -> Tensor | None:
+def _pack(local, shift: Tensor | None, count: int, row: Tensor, num_features: int, problem) -> Tensor:
+    """This rank's forward payload around ``shift`` (None for zero); zeros for no input or a rejected one."""
+    if local is None:
+        zeros = row.new_zeros(num_features)
+        if problem is not None:
+            return _moments.pack_sums(zeros, zeros, failed_row(row))
+        return _moments.pack_moments(zeros, zeros, None, 0, row)
+    return _moments.pack_moments(local.mean, local.var, _base(shift, local), count, row)
+
+
+def _base(shift: Tensor | None, local) -> Tensor | None:
     """The shared shift in the coordinates of ``local``'s moments: ``K - origin`` (None for zero)."""
-    if not keeps_shift:
-        return None
-    shift = state.shift
     if local.origin is None:
         return shift
     origin = local.origin.double()
     return -origin if shift is None else shift - origin
+
+
+def _shift_costs_accuracy(rows: Tensor, eps: float, device: torch.device) -> bool:
+    """Whether the merge lost more than ``_moments.REFINE_DIGITS`` digits (read on the CPU only, where it is
+    free; a device keeps to one all-reduce and relies on the shift's health rules)."""
+    return device.type == "cpu" and bool(_moments.costs_accuracy(rows, eps).item())

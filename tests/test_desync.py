@@ -100,3 +100,19 @@ def test_one_value_per_channel_globally_raises_on_every_rank():
     for name, message in run_world(_single_value_globally, 2):
         assert name == "ValueError"
         assert "more than 1 value per channel" in message and "got 1 over all ranks" in message
+
+
+def _eps_on_one_rank(rank, world_size):
+    layer = distsync.DistSyncBatchNorm2d(4, eps=0.0 if rank == 1 else 1e-5)
+    first = _outcome(lambda: layer(torch.randn(3, 4, 2, 2)))
+    layer.eps = 1e-5
+    second = _outcome(lambda: layer(torch.randn(3, 4, 2, 2)))
+    return first, second
+
+
+def test_eps_on_one_rank_is_rejected_in_the_all_reduce():
+    """eps <= 0 takes the bad-input path: the failed flag travels with the call, ranks stay in step."""
+    outcomes = run_world(_eps_on_one_rank, 2)
+    assert [first[0] for first, _ in outcomes] == ["SyncError", "ValueError"]
+    assert "eps must be positive" in outcomes[1][0][1]
+    assert all(second == (None, "") for _, second in outcomes)

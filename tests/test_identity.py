@@ -7,40 +7,81 @@ import pytest
 import torch
 from torch import nn
 
-from distsync._identity import CALL, IDENTITY, MAX_WORLD_SIZE, SQUARES, TAIL, call_modulus, layer_path
+import distsync
+from distsync._identity import (
+    CALL,
+    IDENTITY,
+    MAX_WORLD_SIZE,
+    SQUARES,
+    TAIL,
+    SyncState,
+    call_modulus,
+    layer_hash,
+    layer_path,
+)
 from distsync._moments import verdict
-
-
-def _paths_seen_in_forward(model: nn.Module) -> list[str]:
-    """The path each BatchNorm layer finds for itself while ``model`` runs (as a syncing layer would)."""
-    seen = []
-    for layer in model.modules():
-        if isinstance(layer, nn.BatchNorm2d):
-            layer.register_forward_pre_hook(lambda module, args: seen.append(layer_path(module)))
-    model(torch.randn(2, 3, 4, 4))
-    return seen
+from distsync.testing import run_world
 
 
 def _model():
-    return nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm2d(4)))
+    return distsync.convert_sync_batchnorm(
+        nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.Sequential(nn.BatchNorm2d(4)))
+    )
+
+
+def _paths(model: nn.Module, root: nn.Module | None = None) -> list[str]:
+    return [layer_path(m) for m in (root or model).modules() if isinstance(m, distsync.DistSyncBatchNorm)]
+
+
+def _reload(module: nn.Module) -> nn.Module:
+    buffer = io.BytesIO()
+    torch.save(module, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)  # no module-registration records in this process
 
 
 def test_paths_are_the_same_for_built_loaded_copied_and_wrapped_models():
     built = _model()
-    buffer = io.BytesIO()
-    torch.save(built, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)  # no module-registration records in this process
-    wrapper = nn.Module()
-    wrapper.module = copy.deepcopy(built)  # what DDP does, around a copy
-    assert _paths_seen_in_forward(built) == ["1", "2.0"]
-    assert _paths_seen_in_forward(loaded) == ["1", "2.0"]
-    assert _paths_seen_in_forward(copy.deepcopy(built)) == ["1", "2.0"]
-    seen = []
-    wrapper.module[1].register_forward_pre_hook(lambda module, args: seen.append(layer_path(module)))
-    wrapper.forward = lambda x: wrapper.module(x)
-    wrapper(torch.randn(2, 3, 4, 4))
-    assert seen == ["module.1"]
+    assert _paths(built) == ["1", "2.0"]
+    assert _paths(_reload(built)) == ["1", "2.0"]
+    assert _paths(copy.deepcopy(built)) == ["1", "2.0"]
+    # Wrappers (DataParallel's ``module`` here, like DDP's) are left out, around a built or a loaded model.
+    assert _paths(nn.DataParallel(_model())) == ["1", "2.0"]
+    assert _paths(nn.DataParallel(_reload(built))) == ["1", "2.0"]
+    # A loaded model registered in an outer module gets the same paths as a built one there.
+    outer, loaded_outer = nn.Module(), nn.Module()
+    outer.net, loaded_outer.net = _model(), _reload(built)
+    assert _paths(outer) == _paths(loaded_outer) == ["net.1", "net.2.0"]
+    # Directly called submodules are named from the root, so they are told apart.
+    model = nn.Module()
+    model.encoder, model.decoder = _model(), _model()
+    assert layer_path(model.encoder[1]) == "encoder.1" and layer_path(model.decoder[1]) == "decoder.1"
+    loaded = _reload(model)
+    assert layer_path(loaded.encoder[1]) == "encoder.1" and layer_path(loaded.decoder[1]) == "decoder.1"
+
+
+def test_renumbered_and_named_layers():
+    model = _model()
+    del model[0]  # nn.Sequential renumbers its modules in place, without registration
+    assert _paths(model) == ["0", "1.0"]
+    twin = distsync.name_layers(_model(), "teacher")
+    assert _paths(twin) == ["teacher.1", "teacher.2.0"]
+    assert _paths(_reload(twin)) == _paths(copy.deepcopy(twin)) == ["teacher.1", "teacher.2.0"]
+    with pytest.raises(ValueError, match="non-empty string"):
+        distsync.name_layers(twin, "")
+
+
+def test_layer_ids_are_64_bit_and_do_not_collide_where_crc32_did():
+    # crc32 modulo 2^20, the earlier id, gave these two the same id at width 8.
+    assert layer_hash("bn3380", 8) != layer_hash("bn40040", 8)
+    ids = {layer_hash(f"layer{i}.bn", 64) for i in range(10_000)}
+    assert len(ids) == 10_000 and max(ids) >= 2**60
+    state = SyncState()
+    state.identity = layer_hash("bn3380", 8)
+    row = state.tail(state.next_tag(0), 2, True, torch.device("cpu"))
+    assert row.numel() == TAIL
+    digits = row[IDENTITY.start : IDENTITY.start + 4].long().tolist()
+    assert sum(d * 2 ** (20 * i) for i, d in enumerate(digits)) == state.identity
 
 
 def _reduced_verdict(calls: torch.Tensor, layer: float, world_size: int):
@@ -67,3 +108,76 @@ def test_desync_check_is_exact_up_to_the_largest_world_it_accepts(world_size):
 def test_worlds_above_the_exact_bound_are_refused_clearly():
     with pytest.raises(ValueError, match=f"at most {MAX_WORLD_SIZE} participants"):
         call_modulus(MAX_WORLD_SIZE + 1)
+
+
+def test_compile_wrapper_is_left_out():
+    assert _paths(torch.compile(_model())) == ["1", "2.0"]
+
+
+class _EncoderDecoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+        self.decoder = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+
+
+def _outcome(fn):
+    try:
+        return None, fn()
+    except Exception as error:  # the test compares what each rank raised
+        return type(error).__name__, str(error)
+
+
+def _x():
+    return torch.randn(3, 4, 2, 2)
+
+
+def _identity_world(rank, world_size, saved):
+    import gc
+    import weakref
+
+    seen = {}
+    # Built on rank 1, loaded whole on rank 0; submodules called directly (feature extraction).
+    model = torch.load(io.BytesIO(saved), weights_only=False) if rank == 0 else _built()
+    seen["loaded, direct calls"] = _outcome(lambda: model.encoder[1](model.encoder[0](_x())).shape)
+    # A wrapper on one rank only.
+    wrapped = nn.DataParallel(_built()) if rank == 0 else _built()
+    inner = wrapped.module if rank == 0 else wrapped
+    seen["wrapper on one rank"] = _outcome(lambda: inner.encoder(_x()).shape)
+    # Direct submodule calls in swapped order: layers at path '1' of one width in both.
+    swapped = _built()
+    order = (swapped.encoder, swapped.decoder) if rank == 0 else (swapped.decoder, swapped.encoder)
+    seen["swapped submodules"] = _outcome(lambda: [part(_x()) for part in order] and None)
+    # Layer names whose ids collided under crc32 mod 2^20.
+    holder = nn.Module()
+    holder.bn3380, holder.bn40040 = distsync.DistSyncBatchNorm2d(8), distsync.DistSyncBatchNorm2d(8)
+    layer = holder.bn3380 if rank == 0 else holder.bn40040
+    seen["colliding names"] = _outcome(lambda: layer(torch.randn(3, 8, 2, 2)).shape)
+    # Separately built twins called in rank-dependent order: named, they are told apart.
+    twins = [distsync.name_layers(_built(), name) for name in ("a", "b")]
+    seen["named twins swapped"] = _outcome(lambda: twins[rank].encoder(_x()).shape)
+    # The first batch is not kept alive by the layer (no caller frames read).
+    fresh = _built()
+    batch = _x()
+    ref = weakref.ref(batch)
+    fresh.encoder(batch).sum()
+    del batch
+    gc.collect()
+    seen["first batch freed"] = ref() is None
+    return seen
+
+
+def _built():
+    torch.manual_seed(0)
+    return distsync.convert_sync_batchnorm(_EncoderDecoder())
+
+
+def test_identity_across_ranks_without_frames():
+    buffer = io.BytesIO()
+    torch.save(_built(), buffer)
+    for seen in run_world(_identity_world, 2, buffer.getvalue()):
+        for scenario in ("loaded, direct calls", "wrapper on one rank"):
+            assert seen[scenario] == (None, torch.Size([3, 4, 2, 2])), (scenario, seen[scenario])
+        for scenario in ("swapped submodules", "colliding names", "named twins swapped"):
+            assert seen[scenario][0] == "SyncMismatchError", (scenario, seen[scenario])
+        assert seen["first batch freed"]
