@@ -103,13 +103,13 @@ class SyncBatchNormFunction(torch.autograd.Function):
         _all_reduce(reducer, payload, tag)
         _check(payload, tag, reducer, problem, True, kernels)
         stats = _moments.merge(payload, state.scratch)
-        if keeps_shift and _shift_costs_accuracy(stats.rows, eps, input.device):
+        if keeps_shift and _shift_costs_accuracy(stats.rows, eps, kernels):
             # Rare, CPU only, decided from reduced values on every rank: merge again around this mean.
             shift = stats.rows[0] if shift is None else stats.rows[0] + shift
             shift = torch.where(shift.isfinite(), shift, 0.0)
             payload = _pack(local, shift, count, row, num_features, None)
             _all_reduce(reducer, payload, tag)
-            _check(payload, tag, reducer.world_size, None, training=True)
+            _check(payload, tag, reducer, None, True, kernels)
             stats = _moments.merge(payload, state.scratch)
         rows = stats.rows  # mean - shift, biased and unbiased variance (float64)
         if shift is not None:
@@ -196,7 +196,10 @@ def _base(shift: Tensor | None, local) -> Tensor | None:
     return -origin if shift is None else shift - origin
 
 
-def _shift_costs_accuracy(rows: Tensor, eps: float, device: torch.device) -> bool:
-    """Whether the merge lost more than ``_moments.REFINE_DIGITS`` digits (read on the CPU only, where it is
-    free; a device keeps to one all-reduce and relies on the shift's health rules)."""
-    return device.type == "cpu" and bool(_moments.costs_accuracy(rows, eps).item())
+def _shift_costs_accuracy(rows: Tensor, eps: float, kernels) -> bool:
+    """Whether the merge lost more than ``_moments.REFINE_DIGITS`` digits (read where verdicts are read at
+    the call, on the CPU, where it is free; a device keeps to one all-reduce and relies on the shift's
+    health rules)."""
+    if kernels.deferred or torch.compiler.is_compiling():
+        return False
+    return bool(_moments.costs_accuracy(rows, eps).item())
