@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import _moments
+from . import _compiled, _moments
 from ._identity import CallTag
 from .errors import SyncError
 
@@ -189,3 +189,4 @@ def check_sync() -> None:
     as of the latest replay (call it after replaying).
     """
     _monitor.check()
+    _compiled.check()

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from . import _compiled
 from ._identity import SyncState, stamp_path
 from ._transport import Reducer, process_group_reducer
 from .functional import SyncBatchNormFunction
@@ -108,6 +109,14 @@ class DistSyncBatchNorm(_BatchNorm):
         self.process_group = process_group
         self._sync_state = SyncState()
         self._replica_reducer: Reducer | None = None
+        self._counters = _compiled.Counters(device)  # call count and verdict of compiled calls
+
+    def _apply(self, fn, recurse: bool = True):
+        result = super()._apply(fn, recurse)
+        # Follow the module's device (not its dtype: the counters are integers); torch's conversion
+        # functions leave an integer tensor's dtype alone.
+        self._counters = self._counters.to(fn(torch.zeros(0, dtype=torch.int64)).device)
+        return result
 
     eps_mode = "plus"
     """How eps enters the synchronized statistics: ``"plus"``, ``sqrt(var + eps)`` (``nn.BatchNorm``), or
@@ -177,10 +186,23 @@ class DistSyncBatchNorm(_BatchNorm):
         return process_group_reducer(self.process_group)
 
     def forward(self, input: Tensor) -> Tensor:
+        if self.training and torch.compiler.is_compiling() and self._replica_reducer is None:
+            # Traced whole (fullgraph): identity and group size are resolved at trace time, outside the graph.
+            if _compiled.prepare(self):
+                return self._compiled_forward(input)
+            return super().forward(input)
         reducer = self._reducer() if self.training else None
         if reducer is None:
             return super().forward(input)
         return self._sync_forward(input, reducer)
+
+    def _compiled_forward(self, input: Tensor) -> Tensor:
+        problem = self._input_problem(input)  # shapes and dtypes are static while tracing
+        if problem is not None:
+            raise ValueError(problem)
+        if not self.eps > 0:
+            raise ValueError(f"{self._layer_name()}: batch_norm eps must be positive during training")
+        return _compiled.sync_batch_norm(self, input)
 
     @torch.compiler.disable
     def _sync_forward(self, input: Tensor, reducer: Reducer) -> Tensor:

@@ -1,0 +1,170 @@
+"""The synchronized forward as ops ``torch.compile`` traces whole (``fullgraph=True``).
+
+The eager path runs an autograd ``Function`` around device kernels, Python-side call counters and a
+host-side verdict; dynamo can trace none of that without a graph break. Under compile the same payload is
+built from differentiable ops and summed with ``torch.distributed._functional_collectives.all_reduce``,
+whose backward is the all-reduce of the payload's gradient: autograd derives the synchronized backward
+(one all-reduce each way, as in eager mode). Everything that lives across calls is a device tensor
+mutated in the graph: the call counter of the tail and the verdict flag.
+
+Outside the traced code, at trace time, :func:`prepare` resolves the layer's identity (the same as in
+eager mode: ``SyncState.resolve``) and allocates those tensors. Verdicts are never read in the graph:
+the first bad call's reduced tail is kept on the device and raised by :func:`distsync.check_sync`, which
+every rank calls at the same point. Limits: the backward all-reduce carries no identity tail (the forward
+one does), a rank with a rejected input raises when its graph is traced (its peers wait in the all-reduce
+until the process group's timeout), and compiled and eager ranks do not sync with each other.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _moments
+from ._identity import (
+    CALL,
+    COUNT,
+    FORWARD,
+    GUARD,
+    IDENTITY,
+    LAYER_DIGITS,
+    SQUARES,
+    TAIL,
+    CallTag,
+    call_modulus,
+)
+
+__all__ = ["prepare", "sync_batch_norm"]
+
+
+class Counters:
+    """A layer's tensors for compiled calls (mutated in place by the graph; integers, so that casting a
+    model to another floating dtype leaves them alone; moved with the module)."""
+
+    def __init__(self, device=None) -> None:
+        self.calls = torch.zeros((), dtype=torch.int64, device=device)
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)  # a call failed since check_sync()
+        self.bad_tail = torch.zeros(TAIL, dtype=torch.int64, device=device)  # first such reduced tail
+
+    def to(self, device) -> Counters:
+        moved = Counters.__new__(Counters)
+        moved.calls, moved.bad, moved.bad_tail = (t.to(device) for t in (self.calls, self.bad, self.bad_tail))
+        return moved
+
+
+_prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layers with compiled calls
+
+
+@torch._dynamo.assume_constant_result
+def prepare(layer) -> int:
+    """Run at trace time, outside the graph: the size of the layer's group (0: nobody to sync with). Also
+    resolves the layer's identity as in eager mode and keeps its tail template on the layer."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    world_size = dist.get_world_size(layer.process_group)
+    if world_size <= 1:
+        return 0
+    state = layer._sync_state
+    if state.identity is None:
+        state.resolve(layer, layer.num_features)
+    first = dist.get_rank(layer.process_group) == 0
+    layer._sync_template = (*_template(world_size, first, state.identity), call_modulus(world_size))
+    _prepared[layer] = state.layer_name
+    return world_size
+
+
+def _template(world_size: int, first: bool, identity: int) -> tuple[list[float], list[float]]:
+    """The forward tail of call 0 with a count of 0, and what call^2 adds to it (``_identity`` layout)."""
+    modulus = call_modulus(world_size)
+    fixed = [(identity // modulus**i) % modulus for i in range(LAYER_DIGITS)] + [FORWARD]
+    guard = (1.0 if first else 0.0) - world_size * float(sum(v * v for v in fixed))
+    row = [0.0, 0.0, *map(float, fixed), 0.0, *(float(v * v) for v in fixed), 0.0, guard]
+    squares = [0.0] * TAIL
+    squares[SQUARES.stop - 1], squares[GUARD] = 1.0, -float(world_size)
+    return row, squares
+
+
+def sync_batch_norm(layer, input: Tensor) -> Tensor:
+    """Training-mode forward of a synchronized layer in traceable ops (after :func:`prepare`)."""
+    t: Counters = layer._counters
+    c = layer.num_features
+    nd = input.dim()
+    dims = [0, *range(2, nd)]
+    dtype = _moments.stat_dtype(input.dtype)
+    n = input.numel() // c
+    # The eager payload's layout, [n m, n (v + m^2), n (v + m^2) | tail], around zero:
+    # Moments around zero in float64 (inductor fuses the upcast into the reductions): a merge shift kept on
+    # the device and updated in place would be read back wrongly by AOT autograd's saved inputs.
+    wide = input.to(torch.float64)
+    first = wide.sum(dims)
+    second = (wide * wide).sum(dims)
+    row, squares, modulus = layer._sync_template
+    template = torch.tensor(row, dtype=torch.float64, device=input.device)
+    call = t.calls.remainder(modulus).to(torch.float64)
+    tail = template + call * _unit(CALL, template) + call * call * template.new_tensor(squares)
+    tail = tail + n * _unit(COUNT, template)
+    payload = torch.cat([first, second, second, tail])
+    group = layer.process_group or dist.group.WORLD
+    reduced = torch.distributed._functional_collectives.all_reduce(payload, "sum", group)
+    red_tail = reduced[3 * c :].detach()
+    count = reduced[3 * c + COUNT]
+    mean_d = reduced[:c] / count
+    var = (reduced[c : 2 * c] / count - mean_d * mean_d).clamp_min(0.0)
+    ident = red_tail[IDENTITY]
+    healthy = (red_tail[GUARD] + (ident * ident).sum()) > 0.5
+    with torch.no_grad():
+        t.calls.add_(1)
+        bad = ~healthy | (count.detach() == 1)  # what the eager verdict raises for (training mode)
+        t.bad_tail.copy_(torch.where(bad & ~t.bad, red_tail.to(torch.int64), t.bad_tail))
+        t.bad.logical_or_(bad)
+        _update_running_stats(layer, mean_d.detach(), var.detach(), count.detach(), healthy)
+    if layer.eps_mode == "clamp":
+        invstd = var.clamp_min(layer.eps).rsqrt()
+    else:
+        invstd = (var + layer.eps).rsqrt()
+    shape = (1, -1, *[1] * (nd - 2))
+    output = (input.to(dtype) - mean_d.to(dtype).view(shape)) * invstd.to(dtype).view(shape)
+    if layer.weight is not None:
+        output = output * layer.weight.to(dtype).view(shape)
+    if layer.bias is not None:
+        output = output + layer.bias.to(dtype).view(shape)
+    return output.to(input.dtype)
+
+
+def _unit(index: int, like: Tensor) -> Tensor:
+    unit = torch.zeros_like(like)
+    unit[index] = 1.0
+    return unit
+
+
+def _update_running_stats(layer, mean: Tensor, var: Tensor, count: Tensor, healthy: Tensor) -> None:
+    if not (layer.track_running_stats and layer.running_mean is not None):
+        return
+    enough = count > 1
+    unbiased = var * count / (count - 1).clamp_min(1.0)
+    layer.num_batches_tracked.add_(healthy.long())
+    if layer.momentum is None:
+        weight = healthy.double() / layer.num_batches_tracked.clamp_min(1).double()
+    else:
+        weight = healthy.double() * layer.momentum
+    weight = torch.where(enough, weight, 0.0)
+    for buffer, end in ((layer.running_mean, mean), (layer.running_var, unbiased)):
+        end = torch.where(end.isfinite(), end, buffer.double())
+        buffer.copy_(torch.lerp(buffer.double(), end, weight).to(buffer.dtype))
+
+
+def check() -> None:
+    """Raise the first failed check among compiled calls since the last call (reads device flags)."""
+    for layer, name in list(_prepared.items()):
+        t: Counters = layer._counters
+        if not bool(t.bad):
+            continue
+        tail = [float(v) for v in t.bad_tail.tolist()]
+        t.bad.fill_(False)
+        world_size = dist.get_world_size(layer.process_group)
+        call = int(round(tail[CALL] / world_size))
+        tag = CallTag(layer._sync_state.identity or 0, FORWARD, call, name)
+        _moments.raise_for(_moments.verdict(tail, world_size), tag, world_size, None, True)

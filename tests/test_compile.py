@@ -1,0 +1,88 @@
+"""torch.compile(fullgraph=True) on models with synchronized layers: one graph, equal to eager mode."""
+
+import pytest
+import torch
+from torch import nn
+
+import distsync
+from distsync.testing import run_world
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        distsync.DistSyncBatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 4, 3),
+        distsync.DistSyncBatchNorm2d(4, momentum=None),
+    )
+
+
+def _compiled_vs_eager(rank, world_size, steps):
+    eager, compiled_model = _model(0), _model(0)
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    worst = {}
+
+    def note(name, a, b):
+        scale = max(b.abs().max().item(), 1.0)
+        worst[name] = max(worst.get(name, 0.0), (a - b).abs().max().item() / scale)
+
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        x = torch.randn(3 + rank, 3, 8, 8, generator=gen) * 2 + 1
+        xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out_e, out_c = eager(xe), compiled(xc)
+        dy = torch.randn(out_e.shape, generator=gen)
+        (out_e * dy).sum().backward()
+        (out_c * dy).sum().backward()
+        distsync.check_sync()
+        note("output", out_c, out_e)
+        note("input grad", xc.grad, xe.grad)
+        for (name, pe), pc in zip(eager.named_parameters(), compiled_model.parameters(), strict=True):
+            note(f"{name} grad", pc.grad, pe.grad)
+        for (name, be), bc in zip(eager.named_buffers(), compiled_model.buffers(), strict=True):
+            note(name, bc.double(), be.double())
+    counts = torch._dynamo.utils.counters["stats"]
+    return worst, counts["unique_graphs"]
+
+
+def test_fullgraph_compile_equals_eager():
+    """Item 8: one graph per rank (fullgraph would raise at any break), outputs, gradients and running
+    statistics (num_batches_tracked included) equal to eager mode's over several steps."""
+    for worst, graphs in run_world(_compiled_vs_eager, 2, 3):
+        assert max(worst.values()) < 1e-5, worst
+        assert graphs >= 1
+
+
+def _compiled_out_of_step(rank, world_size):
+    model = nn.Sequential(distsync.DistSyncBatchNorm1d(4), distsync.DistSyncBatchNorm1d(4))
+    first, second = (torch.compile(layer, fullgraph=True, backend="aot_eager") for layer in model)
+    for step in range(3):
+        layer = second if (rank == 1 and step == 1) else first
+        layer(torch.randn(5, 4)).sum().backward()
+    try:
+        distsync.check_sync()
+    except distsync.SyncMismatchError as error:
+        return str(error)
+    return None
+
+
+def test_compiled_calls_are_checked_by_check_sync_on_every_rank():
+    """Verdicts are not read in the graph: check_sync() raises the out-of-step call on every rank."""
+    for message in run_world(_compiled_out_of_step, 2):
+        assert message is not None and "out of step" in message
+
+
+@pytest.mark.parametrize("backend", ["inductor"])
+def test_fullgraph_compile_with_inductor(backend):
+    worst, _ = run_world(_with_backend, 2, backend)[0]
+    assert max(worst.values()) < 1e-4, worst
+
+
+def _with_backend(rank, world_size, backend):
+    eager, compiled_model = _model(0), _model(0)
+    compiled = torch.compile(compiled_model, fullgraph=True, backend=backend)
+    x = torch.randn(3 + rank, 3, 8, 8) + 2
+    diff = (compiled(x) - eager(x)).abs().max().item()
+    return {"output": diff}, None
