@@ -130,3 +130,26 @@ def test_capture_does_no_host_work_and_keeps_the_trace():
     assert runtime.launches == [] and runtime.events == []
     assert captured == 1 + 2 * 4
     assert forward.host_transfers == [] and len(forward.ops) <= FORWARD_OPS
+
+
+def test_fullgraph_compile_traces_on_fake_cuda():
+    """Item 8 on the CUDA build: dynamo traces a model with a synchronized layer on fake CUDA tensors in
+    one graph (fullgraph), with one functional all-reduce and no host read (any would raise here)."""
+    import distsync
+    from distsync._trace import fake_cuda_world
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with fake_cuda_world(2):
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, device="cuda"), distsync.DistSyncBatchNorm2d(8, device="cuda")
+        )
+        out = torch.compile(model, fullgraph=True, backend=backend)(torch.randn(4, 3, 8, 8, device="cuda"))
+    assert out.device.type == "cuda" and out.shape == (4, 8, 6, 6)
+    assert len(graphs) == 1
+    collectives = [str(node.target) for node in graphs[0].graph.nodes if "c10d" in str(node.target)]
+    assert collectives == ["_c10d_functional.all_reduce", "_c10d_functional.wait_tensor"]
