@@ -8,7 +8,8 @@ whose backward is the all-reduce of the payload's gradient: autograd derives the
 mutated in the graph: the call counter of the tail and the verdict flag.
 
 Outside the traced code, at trace time, :func:`prepare` resolves the layer's identity (the same as in
-eager mode: ``SyncState.resolve``) and allocates those tensors. Verdicts are never read in the graph:
+eager mode: ``SyncState.resolve``) and the tail template; the tensors are the layer's ``Counters``, made
+with it and moved with it. Verdicts are never read in the graph:
 the first bad call's reduced tail is kept on the device and raised by :func:`distsync.check_sync`, which
 every rank calls at the same point. Limits: the backward all-reduce carries no identity tail (the forward
 one does), a rank with a rejected input raises when its graph is traced (its peers wait in the all-reduce
@@ -72,7 +73,7 @@ def prepare(layer) -> int:
         state.resolve(layer, layer.num_features)
     first = dist.get_rank(layer.process_group) == 0
     layer._sync_template = (*_template(world_size, first, state.identity), call_modulus(world_size))
-    _prepared[layer] = state.layer_name
+    _prepared[layer] = (state.layer_name, world_size)
     return world_size
 
 
@@ -95,9 +96,10 @@ def sync_batch_norm(layer, input: Tensor) -> Tensor:
     dims = [0, *range(2, nd)]
     dtype = _moments.stat_dtype(input.dtype)
     n = input.numel() // c
-    # The eager payload's layout, [n m, n (v + m^2), n (v + m^2) | tail], around zero:
-    # Moments around zero in float64 (inductor fuses the upcast into the reductions): a merge shift kept on
-    # the device and updated in place would be read back wrongly by AOT autograd's saved inputs.
+    # The eager payload's layout, [n m, n (v + m^2), n (v + m^2) | tail], as float64 sums around zero
+    # (inductor fuses the upcast into the reductions): a mean 10^k standard deviations from zero costs 2k
+    # of float64's 16 digits of the variance. A merge shift kept on the device and updated in place would
+    # be read back wrongly by AOT autograd, which may save graph inputs for backward.
     wide = input.to(torch.float64)
     first = wide.sum(dims)
     second = (wide * wide).sum(dims)
@@ -111,8 +113,8 @@ def sync_batch_norm(layer, input: Tensor) -> Tensor:
     reduced = torch.distributed._functional_collectives.all_reduce(payload, "sum", group)
     red_tail = reduced[3 * c :].detach()
     count = reduced[3 * c + COUNT]
-    mean_d = reduced[:c] / count
-    var = (reduced[c : 2 * c] / count - mean_d * mean_d).clamp_min(0.0)
+    mean = reduced[:c] / count
+    var = (reduced[c : 2 * c] / count - mean * mean).clamp_min(0.0)
     ident = red_tail[IDENTITY]
     healthy = (red_tail[GUARD] + (ident * ident).sum()) > 0.5
     with torch.no_grad():
@@ -120,13 +122,13 @@ def sync_batch_norm(layer, input: Tensor) -> Tensor:
         bad = ~healthy | (count.detach() == 1)  # what the eager verdict raises for (training mode)
         t.bad_tail.copy_(torch.where(bad & ~t.bad, red_tail.to(torch.int64), t.bad_tail))
         t.bad.logical_or_(bad)
-        _update_running_stats(layer, mean_d.detach(), var.detach(), count.detach(), healthy)
+        _update_running_stats(layer, mean.detach(), var.detach(), count.detach(), healthy)
     if layer.eps_mode == "clamp":
         invstd = var.clamp_min(layer.eps).rsqrt()
     else:
         invstd = (var + layer.eps).rsqrt()
     shape = (1, -1, *[1] * (nd - 2))
-    output = (input.to(dtype) - mean_d.to(dtype).view(shape)) * invstd.to(dtype).view(shape)
+    output = (input.to(dtype) - mean.to(dtype).view(shape)) * invstd.to(dtype).view(shape)
     if layer.weight is not None:
         output = output * layer.weight.to(dtype).view(shape)
     if layer.bias is not None:
@@ -158,13 +160,12 @@ def _update_running_stats(layer, mean: Tensor, var: Tensor, count: Tensor, healt
 
 def check() -> None:
     """Raise the first failed check among compiled calls since the last call (reads device flags)."""
-    for layer, name in list(_prepared.items()):
+    for layer, (name, world_size) in list(_prepared.items()):
         t: Counters = layer._counters
         if not bool(t.bad):
             continue
         tail = [float(v) for v in t.bad_tail.tolist()]
         t.bad.fill_(False)
-        world_size = dist.get_world_size(layer.process_group)
         call = int(round(tail[CALL] / world_size))
         tag = CallTag(layer._sync_state.identity or 0, FORWARD, call, name)
         _moments.raise_for(_moments.verdict(tail, world_size), tag, world_size, None, True)
