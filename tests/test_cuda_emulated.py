@@ -151,9 +151,9 @@ def test_captured_calls_do_no_host_work_and_are_checked_by_check_sync():
         assert outcome[0] == "SyncMismatchError"
 
 
-def _runtime_pending(ready_after: int, timeout: float):
+def _runtime_pending(ready_after: int):
     """A monitor fed 2 * lag CPU tails with fake streams whose events are ready after ``ready_after``."""
-    from distsync import _identity, _moments
+    from distsync import _identity
     from distsync._trace import FakeRuntime
 
     class Slow(FakeRuntime):
@@ -170,13 +170,13 @@ def _runtime_pending(ready_after: int, timeout: float):
     for _ in range(2 * _health._LAG):
         tag = state.next_tag(_identity.FORWARD)
         payloads.append((state.tail(tag, 2, True, torch.device("cpu")) * 2, tag))
-    return runtime, monitor, payloads, _moments
+    return runtime, monitor, payloads
 
 
 def test_verdicts_wait_for_the_copy_instead_of_polling(monkeypatch):
     """Item 3: the copy of a call is waited for at a fixed call, however late the device is. Readiness
     polling would skip a copy that is not ready yet and raise at a later call on a slower rank."""
-    runtime, monitor, payloads, _ = _runtime_pending(ready_after=50, timeout=60)
+    runtime, monitor, payloads = _runtime_pending(ready_after=50)
     monkeypatch.setattr(_health, "_device", runtime)
     payloads[2][0][1] = 2.0  # call 2: both ranks 'rejected' their input (the failed slot of the tail)
     raised_at = None
@@ -193,7 +193,7 @@ def test_verdicts_wait_for_the_copy_instead_of_polling(monkeypatch):
 def test_a_copy_that_never_lands_raises_sync_error_naming_the_calls(monkeypatch):
     """A peer that left the collectives keeps the copy from landing: after half the process group's
     timeout the wait raises SyncError naming the layer and calls (on NCCL as on gloo), not a hang."""
-    runtime, monitor, payloads, _ = _runtime_pending(ready_after=10**9, timeout=0.05)
+    runtime, monitor, payloads = _runtime_pending(ready_after=10**9)
     monkeypatch.setattr(_health, "_device", runtime)
     with pytest.raises(SyncError, match=r"'bn' \(DistSyncBatchNorm\), forward call #0 to .*forward call #7"):
         for tail, tag in payloads:
@@ -214,3 +214,16 @@ def test_generic_path_for_other_accelerators_matches_batchnorm():
     for errors in run_world(_generic, 2, cases):
         for case, found in zip(cases, errors, strict=True):
             assert max(found.values()) <= tolerance(case, 2, "cpu"), (case.describe(), found)
+
+
+def test_tails_of_two_streams_are_copied_on_their_own_streams(monkeypatch):
+    """Items 1 and 2 in CI: calls made under two streams are queued apart; each copy is issued on the
+    stream that produced its tails and its event recorded there."""
+    runtime, monitor, payloads = _runtime_pending(ready_after=0)
+    monkeypatch.setattr(_health, "_device", runtime)
+    for index, (tail, tag) in enumerate(payloads[: _health._LAG]):
+        runtime.streams["cpu"] = "side" if index % 2 else "default"
+        monitor.defer(_health._Pending(tail, tag, 2, True, 60.0))
+    half = _health._LAG // 2
+    assert sorted(runtime.launches) == [("cpu", "default", half), ("cpu", "side", half)]
+    assert sorted(event.stream for event in runtime.events) == ["default", "side"]
