@@ -3,13 +3,20 @@
 A sync payload is one float64 vector per call, the same length in forward and backward so that a rank in
 the wrong direction meets a well-formed reduction instead of a size mismatch::
 
-    [ first (C) | second (C) | second again (C) | tail (TAIL) ]
+    [ first (C) | second (C) | second again (C) | zeros | tail (TAIL) ]
+
+Its length is a size class: ``3C + TAIL`` rounded up to a power of two, at least ``MIN_PAYLOAD``. Ranks
+out of step at layers of different widths then still meet equal sizes in most cases (every width up to 80
+channels shares the smallest class), and the tail at the end makes them raise ``SyncMismatchError``; a
+collective of unequal sizes would abort the process in gloo (and hang in NCCL). It costs at most twice the
+bytes of an all-reduce that is bound by its latency anyway.
 
 Forward sends ``first = n (m - K)`` and ``second = n (v + (m - K)^2)`` from this rank's ``n`` values per
-channel, their mean ``m`` and biased variance ``v``, around a shift ``K`` that every rank shares (a
-previous healthy global mean where accuracy needs it, else zero: see :func:`update_shift`), so the merge
-``E[(x-K)^2] - E[x-K]^2`` cancels only what ``|mean - K|`` makes it cancel. The second block is sent twice so that one division gives the
-mean, the biased and the unbiased variance. Backward sends the local sums of its gradient formula.
+channel, their mean ``m`` and biased variance ``v``, around a shift ``K`` that every rank shares (a previous
+healthy global mean where accuracy needs it, else zero: see :func:`update_shift`), so the merge ``E[(x-K)^2] -
+E[x-K]^2`` cancels only what ``|mean - K|`` makes it cancel. The second block is sent twice so that one
+division gives the mean, the biased and the unbiased variance. Backward sends the local sums of its gradient
+formula.
 
 The tail (see :mod:`distsync._identity`) carries the count, a rejected-input flag and the call identity
 folded so that every rank reaches the same verdict from the same reduced numbers without reading them:
@@ -50,8 +57,18 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+MIN_PAYLOAD = 256
+
+
 def payload_size(num_channels: int) -> int:
-    return 3 * num_channels + TAIL
+    """Length of a payload for ``num_channels`` channels: its size class (see above)."""
+    return max(MIN_PAYLOAD, 1 << (3 * num_channels + TAIL - 1).bit_length())
+
+
+def _padded(blocks: list[Tensor], row: Tensor) -> Tensor:
+    used = sum(block.numel() for block in blocks) + TAIL
+    zeros = row.new_zeros(payload_size((used - TAIL) // 3) - used)
+    return torch.cat([*blocks, zeros, row])
 
 
 def pack_moments(mean: Tensor, var: Tensor, base: Tensor | None, count: int, row: Tensor) -> Tensor:
@@ -62,24 +79,25 @@ def pack_moments(mean: Tensor, var: Tensor, base: Tensor | None, count: int, row
     """
     d = mean.double() if base is None else torch.sub(mean, base)  # float64 either way
     q = torch.addcmul(var, d, d)
-    payload = torch.cat([d, q, q, row])
-    payload[: 3 * d.numel() + 1].mul_(count)
+    payload = _padded([d, q, q], row)
+    payload[: payload.numel() - TAIL + COUNT + 1].mul_(count)
     return payload
 
 
 def pack_sums(first: Tensor, second: Tensor, row: Tensor) -> Tensor:
     """Backward (or empty-input) payload from two per-channel sums; ``cat`` promotes them to float64."""
-    return torch.cat([first, second, second, row])
+    return _padded([first, second, second], row)
 
 
-def merge(payload: Tensor, scratch: dict) -> Stats:
+def merge(payload: Tensor, num_channels: int, scratch: dict) -> Stats:
     """Global mean (relative to the shared shift), biased and unbiased variance from a reduced payload.
 
     In place on the payload. The shifted sums are exact to float64 rounding, so ``E[(x-K)^2] - E[x-K]^2``
     loses ``log10((mean - K)^2 / var)`` of float64's 16 digits. ``scratch`` caches a per-device constant.
     """
-    c = (payload.numel() - TAIL) // 3
-    count = payload[3 * c + COUNT : 3 * c + COUNT + 1]
+    c = num_channels
+    at = payload.numel() - TAIL + COUNT
+    count = payload[at : at + 1]
     first, seconds = payload[:c], payload[c : 3 * c].view(2, c)
     seconds.addcmul_(first, first / count, value=-1).clamp_min_(0.0)  # sum of squared deviations
     key = ("den", payload.device)
@@ -135,8 +153,7 @@ def running_stat_weight(payload: Tensor, momentum: float | None, out: Tensor, ba
     The guard slot reduces to ``1 - failed - W sum(t^2)`` and ``sum_t (sum t)^2`` is added to it: the
     result is 1 when all ranks sent the same identity and none failed, else at most 0 (Cauchy-Schwarz).
     """
-    c = (payload.numel() - TAIL) // 3
-    tail = payload[3 * c :]
+    tail = payload[payload.numel() - TAIL :]
     ident = tail[IDENTITY]
     healthy = torch.addmv(tail[GUARD : GUARD + 1], ident.view(1, -1), ident)
     healthy.clamp_(0.0, 1.0)

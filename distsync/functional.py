@@ -65,8 +65,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     Forward reduces per-channel count, mean and variance as shifted moment sums (float64); backward reduces
     the two per-channel sums of the gradient formula. The shift only moves on healthy calls, so an empty
-    global batch, a NaN/Inf element or an outlier changes no later call's result (``_moments``). Weight and bias gradients stay local, like
-    ``nn.SyncBatchNorm``: DistributedDataParallel averages them. Not twice differentiable.
+    global batch, a NaN/Inf element or an outlier changes no later call's result (``_moments``). Weight and
+    bias gradients stay local, like ``nn.SyncBatchNorm``: DistributedDataParallel averages them. Not twice
+    differentiable.
     """
 
     @staticmethod
@@ -98,7 +99,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         payload = _pack(local, shift, count, row, num_features, problem)
         _all_reduce(reducer, payload, tag)
         _check(payload, tag, reducer.world_size, problem, training=True)
-        stats = _moments.merge(payload, state.scratch)
+        stats = _moments.merge(payload, num_features, state.scratch)
         if keeps_shift and _shift_costs_accuracy(stats.rows, eps, input.device):
             # Rare, CPU only, decided from reduced values on every rank: merge again around this mean.
             shift = stats.rows[0] if shift is None else stats.rows[0] + shift
@@ -106,7 +107,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
             payload = _pack(local, shift, count, row, num_features, None)
             _all_reduce(reducer, payload, tag)
             _check(payload, tag, reducer.world_size, None, training=True)
-            stats = _moments.merge(payload, state.scratch)
+            stats = _moments.merge(payload, num_features, state.scratch)
         rows = stats.rows  # mean - shift, biased and unbiased variance (float64)
         if shift is not None:
             rows[0].add_(shift)

@@ -161,3 +161,13 @@ def test_shift_rules_without_a_world():
     assert call(6.0, 1.0) == 6.0  # back to normal: adopted
     assert call(1e3, 4.0 * SHIFT_JUMP) == 6.0  # a lasting change of scale...
     assert call(1e3 + 1, 4.0 * SHIFT_JUMP) == 1e3 + 1  # ...is adopted one call later
+
+
+def test_payload_size_classes():
+    """Every width up to 80 channels shares one size; above, a class costs at most twice the bytes."""
+    from distsync._identity import TAIL
+    from distsync._moments import MIN_PAYLOAD, payload_size
+
+    assert {payload_size(c) for c in range(1, 81)} == {MIN_PAYLOAD}
+    for c in range(1, 5000, 7):
+        assert 3 * c + TAIL <= payload_size(c) <= max(MIN_PAYLOAD, 2 * (3 * c + TAIL))
