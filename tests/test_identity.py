@@ -156,6 +156,18 @@ def _identity_world(rank, world_size, saved):
     # Separately built twins called in rank-dependent order: named, they are told apart.
     twins = [distsync.name_layers(_built(), name) for name in ("a", "b")]
     seen["named twins swapped"] = _outcome(lambda: twins[rank].encoder(_x()).shape)
+    # A layer shared by two parents, a checkpointed block and functional_call: every rank alike.
+    shared = _built()
+    shared.decoder[1] = shared.encoder[1]
+
+    def shared_and_checkpointed():
+        x = _x().requires_grad_()
+        y = torch.utils.checkpoint.checkpoint(shared.decoder, shared.encoder(x), use_reentrant=False)
+        y.sum().backward()
+        params = {name: p.detach() * 2 for name, p in shared.encoder.named_parameters()}
+        return torch.func.functional_call(shared.encoder, params, (_x(),)).shape
+
+    seen["shared, checkpoint, functional"] = _outcome(shared_and_checkpointed)
     # The first batch is not kept alive by the layer (no caller frames read).
     fresh = _built()
     batch = _x()
@@ -176,7 +188,7 @@ def test_identity_across_ranks_without_frames():
     buffer = io.BytesIO()
     torch.save(_built(), buffer)
     for seen in run_world(_identity_world, 2, buffer.getvalue()):
-        for scenario in ("loaded, direct calls", "wrapper on one rank"):
+        for scenario in ("loaded, direct calls", "wrapper on one rank", "shared, checkpoint, functional"):
             assert seen[scenario] == (None, torch.Size([3, 4, 2, 2])), (scenario, seen[scenario])
         for scenario in ("swapped submodules", "colliding names", "named twins swapped"):
             assert seen[scenario][0] == "SyncMismatchError", (scenario, seen[scenario])
