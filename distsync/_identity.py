@@ -91,10 +91,11 @@ def _record_parent(parent: nn.Module, name: str, child: nn.Module | None) -> Non
         return
     _parents[child] = (weakref.ref(parent), name)
     if any(isinstance(c, nn.Module) and c not in _parents for c in child._modules.values()):
-        _record_subtree(child)  # an unpickled or deep-copied tree: record it from here down
+        record_tree(child)  # an unpickled or deep-copied tree: record it from here down
 
 
-def _record_subtree(root: nn.Module) -> None:
+def record_tree(root: nn.Module) -> None:
+    """Record the parent of every module under ``root`` that has no record (an unpickled tree's)."""
     stack, seen = [root], {id(root)}
     while stack:
         module = stack.pop()

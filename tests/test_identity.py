@@ -52,6 +52,9 @@ def test_paths_are_the_same_for_built_loaded_copied_and_wrapped_models():
     outer, loaded_outer = nn.Module(), nn.Module()
     outer.net, loaded_outer.net = _model(), _reload(built)
     assert _paths(outer) == _paths(loaded_outer) == ["net.1", "net.2.0"]
+    # A plain model loaded, then converted: the new layers are named from the loaded root.
+    plain = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)))
+    assert _paths(distsync.convert_sync_batchnorm(_reload(plain))) == ["1.1"]
     # Directly called submodules are named from the root, so they are told apart.
     model = nn.Module()
     model.encoder, model.decoder = _model(), _model()
