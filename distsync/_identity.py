@@ -50,6 +50,15 @@ _EXACT = 2**53 / _FIELDS  # (W m)^2 must stay below this
 MAX_WORLD_SIZE = int(_EXACT**0.5) // _BLOCK
 
 
+MIN_PAYLOAD = 256
+
+
+def payload_size(num_channels: int) -> int:
+    """Length of a sync payload for ``num_channels`` channels: ``3C + TAIL`` rounded up to its size class,
+    a power of two of at least ``MIN_PAYLOAD`` (see :mod:`distsync._moments`)."""
+    return max(MIN_PAYLOAD, 1 << (3 * num_channels + TAIL - 1).bit_length())
+
+
 def call_modulus(world_size: int) -> int:
     """Largest multiple of the table block (at most 2^20) with ``6 (W m)^2 < 2^53``."""
     if world_size > MAX_WORLD_SIZE:
@@ -251,16 +260,19 @@ class SyncState:
         self.calls[direction] = call + 1
         return CallTag(self.identity or 0, direction, call, self.layer_name or "synchronized BN layer")
 
-    def tail(self, tag: CallTag, world_size: int, first: bool, device: torch.device) -> Tensor:
-        """The tail row of call ``tag`` (a view into a device table; count slot 1 in forward, else 0)."""
+    def tail(self, tag: CallTag, world_size: int, first: bool, device: torch.device, width: int) -> Tensor:
+        """The end of call ``tag``'s payload for ``width`` channels: the zeros that pad it to its size class,
+        then the tail (count slot 1 in forward, else 0). A view into a device table: no copy per call."""
         modulus = call_modulus(world_size)
         call = tag.call % modulus
-        key = (tag.direction, world_size, first, device)
+        key = (tag.direction, world_size, first, device, width)
         block, table = self._tables.get(key, (None, None))
         if block != call // _BLOCK:
             block = call // _BLOCK
             digits = [(tag.layer_id // modulus**i) % modulus for i in range(LAYER_DIGITS)]
             table = _tail_table(digits, tag.direction, block * _BLOCK, world_size, first, device)
+            pad = payload_size(width) - 3 * width - TAIL
+            table = torch.cat([table.new_zeros(_BLOCK, pad), table], dim=1)
             self._tables[key] = (block, table)
         return table[call % _BLOCK]
 
@@ -290,7 +302,8 @@ def _tail_table(
 def failed_row(row: Tensor) -> Tensor:
     """``row`` for a participant that rejected its input: failed set, guard lowered, count 0."""
     failed = row.clone()
-    failed[COUNT] = 0.0
-    failed[FAILED] = 1.0
-    failed[GUARD] -= 1.0
+    tail = failed[failed.numel() - TAIL :]
+    tail[COUNT] = 0.0
+    tail[FAILED] = 1.0
+    tail[GUARD] -= 1.0
     return failed

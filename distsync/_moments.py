@@ -5,11 +5,11 @@ the wrong direction meets a well-formed reduction instead of a size mismatch::
 
     [ first (C) | second (C) | second again (C) | zeros | tail (TAIL) ]
 
-Its length is a size class: ``3C + TAIL`` rounded up to a power of two, at least ``MIN_PAYLOAD``. Ranks
-out of step at layers of different widths then still meet equal sizes in most cases (every width up to 80
-channels shares the smallest class), and the tail at the end makes them raise ``SyncMismatchError``; a
-collective of unequal sizes would abort the process in gloo (and hang in NCCL). It costs at most twice the
-bytes of an all-reduce that is bound by its latency anyway.
+Its length is a size class (``_identity.payload_size``; the tail tables hold the zeros): ``3C + TAIL`` rounded
+up to a power of two, at least ``MIN_PAYLOAD``. Ranks out of step at layers of different widths then still
+meet equal sizes in most cases (every width up to 80 channels shares the smallest class), and the tail at the
+end makes them raise ``SyncMismatchError``; a collective of unequal sizes would abort the process in gloo (and
+hang in NCCL). It costs at most twice the bytes of an all-reduce that is bound by its latency anyway.
 
 Forward sends ``first = n (m - K)`` and ``second = n (v + (m - K)^2)`` from this rank's ``n`` values per
 channel, their mean ``m`` and biased variance ``v``, around a shift ``K`` that every rank shares (a previous
@@ -57,36 +57,22 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-MIN_PAYLOAD = 256
-
-
-def payload_size(num_channels: int) -> int:
-    """Length of a payload for ``num_channels`` channels: its size class (see above)."""
-    return max(MIN_PAYLOAD, 1 << (3 * num_channels + TAIL - 1).bit_length())
-
-
-def _padded(blocks: list[Tensor], row: Tensor) -> Tensor:
-    used = sum(block.numel() for block in blocks) + TAIL
-    zeros = row.new_zeros(payload_size((used - TAIL) // 3) - used)
-    return torch.cat([*blocks, zeros, row])
-
-
 def pack_moments(mean: Tensor, var: Tensor, base: Tensor | None, count: int, row: Tensor) -> Tensor:
     """Forward payload from this rank's per-channel ``mean`` and biased ``var`` of ``count`` values.
 
     ``base`` is ``K - origin``: the shared shift in the coordinates ``mean`` is given in (None for 0).
-    ``row`` is the call's tail; its count slot holds 1 and becomes ``count`` here.
+    ``row`` is the call's padded tail; its count slot holds 1 and becomes ``count`` here.
     """
     d = mean.double() if base is None else torch.sub(mean, base)  # float64 either way
     q = torch.addcmul(var, d, d)
-    payload = _padded([d, q, q], row)
+    payload = torch.cat([d, q, q, row])
     payload[: payload.numel() - TAIL + COUNT + 1].mul_(count)
     return payload
 
 
 def pack_sums(first: Tensor, second: Tensor, row: Tensor) -> Tensor:
     """Backward (or empty-input) payload from two per-channel sums; ``cat`` promotes them to float64."""
-    return _padded([first, second, second], row)
+    return torch.cat([first, second, second, row])
 
 
 def merge(payload: Tensor, num_channels: int, scratch: dict) -> Stats:

@@ -89,7 +89,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
     ) -> Tensor:
         tag = state.next_tag(FORWARD)
         kernels = kernels_for(input.device)
-        row = state.tail(tag, reducer.world_size, reducer.first, input.device)
+        row = state.tail(tag, reducer.world_size, reducer.first, input.device, num_features)
         count = 0 if problem else input.numel() // max(num_features, 1)
         keeps_shift = _keeps_shift(input)
         if state.shift is not None and state.shift.device != input.device:
@@ -160,7 +160,7 @@ def _sync_backward(ctx, first: Tensor, second: Tensor) -> Tensor:
     """All-reduce this rank's backward sums; return the reduced (2, C) sums (a view of the payload)."""
     state, reducer = ctx.state, ctx.reducer
     tag = state.next_tag(BACKWARD)
-    row = state.tail(tag, reducer.world_size, reducer.first, first.device)
+    row = state.tail(tag, reducer.world_size, reducer.first, first.device, first.numel())
     payload = _moments.pack_sums(first, second, row)
     _all_reduce(reducer, payload, tag)
     _check(payload, tag, reducer.world_size, None, training=False)

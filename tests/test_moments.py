@@ -165,8 +165,7 @@ def test_shift_rules_without_a_world():
 
 def test_payload_size_classes():
     """Every width up to 80 channels shares one size; above, a class costs at most twice the bytes."""
-    from distsync._identity import TAIL
-    from distsync._moments import MIN_PAYLOAD, payload_size
+    from distsync._identity import MIN_PAYLOAD, TAIL, payload_size
 
     assert {payload_size(c) for c in range(1, 81)} == {MIN_PAYLOAD}
     for c in range(1, 5000, 7):
