@@ -117,20 +117,21 @@ _REFINE = 2.0**8
 def costs_accuracy(rows: Tensor, eps: float) -> Tensor:
     """Whether some channel's merge (``rows`` from :func:`merge`, mean relative to K) lost more than
     ``REFINE_DIGITS`` digits of the variance it is normalized by (a 0-dim bool tensor; NaN never counts)."""
-    return (rows[0] * rows[0] > _REFINE * (rows[1] + eps)).any()
+    return torch.addcmul(rows[1], rows[0], rows[0], value=-1 / _REFINE).lt_(-eps).any()
 
 
 def update_shift(state, rows: Tensor) -> None:
-    """Move ``state.shift`` (K) to this call's global mean ``rows[0]`` where the rules above allow it."""
+    """Move ``state.shift`` (K) to this call's global mean ``rows[0]`` where the rules above allow it.
+
+    ``state.shift_ref`` holds ``SHIFT_JUMP`` times the variance of the last call with a finite one.
+    """
     mean, var = rows[0], rows[1]
-    healthy = mean.isfinite() & var.isfinite()
-    reference = state.shift_ref
-    adopt = healthy if reference is None else healthy & (var <= reference * SHIFT_JUMP)
-    fallback = torch.zeros_like(mean) if state.shift is None else state.shift
-    state.shift = torch.where(adopt, mean, fallback)
-    if reference is None:
-        reference = torch.full_like(var, float("inf"))
-    state.shift_ref = torch.where(healthy, var, reference)
+    if state.shift is None:
+        state.shift = torch.zeros_like(mean)
+        state.shift_ref = torch.full_like(var, float("inf"))
+    adopt = torch.le(var, state.shift_ref).logical_and_(mean.isfinite())  # False for a NaN variance
+    state.shift = torch.where(adopt, mean, state.shift)
+    state.shift_ref = torch.where(var.isfinite(), var * SHIFT_JUMP, state.shift_ref)
 
 
 def running_stat_weight(payload: Tensor, momentum: float | None, out: Tensor, batches: Tensor | None) -> None:
