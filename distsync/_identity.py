@@ -20,7 +20,7 @@ Two separately built models of one structure are indistinguishable by constructi
 Every call adds ``[layer (4 digits), direction, call]`` and their squares to the payload tail: after a
 SUM over W participants, ``(sum t)^2 == W sum(t^2)`` for each field iff all sent the same value. The values
 are kept below a modulus ``m`` with ``6 (W m)^2 < 2^53``, so float64 holds every term exactly; the layer
-hash is written as four base-``m`` digits (all 64 bits for ``m >= 2^16``, i.e. up to 600 ranks).
+hash is written as four base-``m`` digits (all 64 bits for ``m >= 2^16``, i.e. up to 590 ranks).
 
 Tails live on the device in small per-layer tables (a block of consecutive calls per direction), so a call
 selects its tail as a view: no host-to-device copy per call.
@@ -202,11 +202,22 @@ def name_layers(module: nn.Module, name: str) -> nn.Module:
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name_layers needs a non-empty string name, got {name!r}")
-    for path, layer in module.named_modules():
+    stack, seen = [(module, "")], {id(module)}
+    while stack:  # like named_modules, with wrapper slots left out of the paths
+        layer, path = stack.pop()
         state = getattr(layer, "_sync_state", None)
         if isinstance(state, SyncState):
             state.name = f"{name}.{path}" if path else name
             state.identity = None  # resolved again at the next synchronized call
+        for child_name, child in reversed(layer._modules.items()):
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                inner = (
+                    path
+                    if _is_wrapper_slot(layer, child_name)
+                    else ".".join(filter(None, [path, child_name]))
+                )
+                stack.append((child, inner))
     return module
 
 

@@ -71,6 +71,7 @@ def test_renumbered_and_named_layers():
     twin = distsync.name_layers(_model(), "teacher")
     assert _paths(twin) == ["teacher.1", "teacher.2.0"]
     assert _paths(_reload(twin)) == _paths(copy.deepcopy(twin)) == ["teacher.1", "teacher.2.0"]
+    assert _paths(distsync.name_layers(nn.DataParallel(_model()), "t")) == ["t.1", "t.2.0"]
     with pytest.raises(ValueError, match="non-empty string"):
         distsync.name_layers(twin, "")
 
