@@ -116,6 +116,7 @@ def test_worlds_above_the_exact_bound_are_refused_clearly():
         call_modulus(MAX_WORLD_SIZE + 1)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's imports
 def test_compile_wrapper_is_left_out():
     assert _paths(torch.compile(_model())) == ["1", "2.0"]
 
