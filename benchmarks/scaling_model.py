@@ -2,16 +2,19 @@
 
     python benchmarks/scaling_model.py      # prints the Markdown tables used in docs/performance.md
 
-Alpha-beta model: a message of ``n`` bytes costs ``alpha + n * beta``. Per layer and step,
-distsync does 2 all-reduces of ``(3C + 15) * 8`` bytes (float64 moments + 15 tail fields), forward and
-backward. nn.SyncBatchNorm all-gathers ``(2C + 1)`` float32 per rank forward (mean, invstd, count), so
-``W * (2C + 1) * 4`` bytes land on every rank, and all-reduces ``2C`` float32 backward.
+Alpha-beta model: a message of ``n`` bytes costs ``alpha + n * beta``. Per layer and step, distsync does 2
+all-reduces of ``payload_size(C) * 8`` bytes (float64 moments + 15 tail fields, ``3C + 15`` rounded up to a
+power of two, at least 256), forward and backward. nn.SyncBatchNorm all-gathers ``(2C + 1)`` float32 per rank
+forward (mean, invstd, count), so ``W * (2C + 1) * 4`` bytes land on every rank, and all-reduces ``2C``
+float32 backward.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from distsync._moments import payload_size
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ def all_gather_tree(m: float, w: int, link: Link) -> float:
 
 def distsync_cost(c: int, w: int, link: Link, tree: bool) -> float:
     all_reduce = all_reduce_tree if tree else all_reduce_ring
-    return 2 * all_reduce((3 * c + 15) * 8, w, link)
+    return 2 * all_reduce(payload_size(c) * 8, w, link)
 
 
 def torch_syncbn_cost(c: int, w: int, link: Link, tree: bool) -> float:

@@ -36,6 +36,7 @@ from ._identity import (
     TAIL,
     CallTag,
     call_modulus,
+    payload_size,
 )
 
 __all__ = ["prepare", "sync_batch_norm"]
@@ -108,11 +109,12 @@ def sync_batch_norm(layer, input: Tensor) -> Tensor:
     call = t.calls.remainder(modulus).to(torch.float64)
     tail = template + call * _unit(CALL, template) + call * call * template.new_tensor(squares)
     tail = tail + n * _unit(COUNT, template)
-    payload = torch.cat([first, second, second, tail])
+    pad = template.new_zeros(payload_size(c) - 3 * c - TAIL)  # the eager payload's size class
+    payload = torch.cat([first, second, second, pad, tail])
     group = layer.process_group or dist.group.WORLD
     reduced = torch.distributed._functional_collectives.all_reduce(payload, "sum", group)
-    red_tail = reduced[3 * c :].detach()
-    count = reduced[3 * c + COUNT]
+    red_tail = reduced[reduced.numel() - TAIL :].detach()
+    count = red_tail[COUNT]
     mean = reduced[:c] / count
     var = (reduced[c : 2 * c] / count - mean * mean).clamp_min(0.0)
     ident = red_tail[IDENTITY]

@@ -20,7 +20,7 @@ Two separately built models of one structure are indistinguishable by constructi
 Every call adds ``[layer (4 digits), direction, call]`` and their squares to the payload tail: after a
 SUM over W participants, ``(sum t)^2 == W sum(t^2)`` for each field iff all sent the same value. The values
 are kept below a modulus ``m`` with ``6 (W m)^2 < 2^53``, so float64 holds every term exactly; the layer
-hash is written as four base-``m`` digits (all 64 bits for ``m >= 2^16``, i.e. up to 600 ranks).
+hash is written as four base-``m`` digits (all 64 bits for ``m >= 2^16``, i.e. up to 590 ranks).
 
 Tails live on the device in small per-layer tables (a block of consecutive calls per direction), so a call
 selects its tail as a view: no host-to-device copy per call.
@@ -48,6 +48,15 @@ _DIRECTIONS = ("forward", "backward")
 _BLOCK = 64  # calls per tail table
 _EXACT = 2**53 / _FIELDS  # (W m)^2 must stay below this
 MAX_WORLD_SIZE = int(_EXACT**0.5) // _BLOCK
+
+
+MIN_PAYLOAD = 256
+
+
+def payload_size(num_channels: int) -> int:
+    """Length of a sync payload for ``num_channels`` channels: ``3C + TAIL`` rounded up to its size class,
+    a power of two of at least ``MIN_PAYLOAD`` (see :mod:`distsync._moments`)."""
+    return max(MIN_PAYLOAD, 1 << (3 * num_channels + TAIL - 1).bit_length())
 
 
 def call_modulus(world_size: int) -> int:
@@ -91,10 +100,11 @@ def _record_parent(parent: nn.Module, name: str, child: nn.Module | None) -> Non
         return
     _parents[child] = (weakref.ref(parent), name)
     if any(isinstance(c, nn.Module) and c not in _parents for c in child._modules.values()):
-        _record_subtree(child)  # an unpickled or deep-copied tree: record it from here down
+        record_tree(child)  # an unpickled or deep-copied tree: record it from here down
 
 
-def _record_subtree(root: nn.Module) -> None:
+def record_tree(root: nn.Module) -> None:
+    """Record the parent of every module under ``root`` that has no record (an unpickled tree's)."""
     stack, seen = [root], {id(root)}
     while stack:
         module = stack.pop()
@@ -192,11 +202,22 @@ def name_layers(module: nn.Module, name: str) -> nn.Module:
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name_layers needs a non-empty string name, got {name!r}")
-    for path, layer in module.named_modules():
+    stack, seen = [(module, "")], {id(module)}
+    while stack:  # like named_modules, with wrapper slots left out of the paths
+        layer, path = stack.pop()
         state = getattr(layer, "_sync_state", None)
         if isinstance(state, SyncState):
             state.name = f"{name}.{path}" if path else name
             state.identity = None  # resolved again at the next synchronized call
+        for child_name, child in reversed(layer._modules.items()):
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                inner = (
+                    path
+                    if _is_wrapper_slot(layer, child_name)
+                    else ".".join(filter(None, [path, child_name]))
+                )
+                stack.append((child, inner))
     return module
 
 
@@ -250,16 +271,19 @@ class SyncState:
         self.calls[direction] = call + 1
         return CallTag(self.identity or 0, direction, call, self.layer_name or "synchronized BN layer")
 
-    def tail(self, tag: CallTag, world_size: int, first: bool, device: torch.device) -> Tensor:
-        """The tail row of call ``tag`` (a view into a device table; count slot 1 in forward, else 0)."""
+    def tail(self, tag: CallTag, world_size: int, first: bool, device: torch.device, width: int) -> Tensor:
+        """The end of call ``tag``'s payload for ``width`` channels: the zeros that pad it to its size class,
+        then the tail (count slot 1 in forward, else 0). A view into a device table: no copy per call."""
         modulus = call_modulus(world_size)
         call = tag.call % modulus
-        key = (tag.direction, world_size, first, device)
+        key = (tag.direction, world_size, first, device, width)
         block, table = self._tables.get(key, (None, None))
         if block != call // _BLOCK:
             block = call // _BLOCK
             digits = [(tag.layer_id // modulus**i) % modulus for i in range(LAYER_DIGITS)]
             table = _tail_table(digits, tag.direction, block * _BLOCK, world_size, first, device)
+            pad = payload_size(width) - 3 * width - TAIL
+            table = torch.cat([table.new_zeros(_BLOCK, pad), table], dim=1)
             self._tables[key] = (block, table)
         return table[call % _BLOCK]
 
@@ -289,7 +313,8 @@ def _tail_table(
 def failed_row(row: Tensor) -> Tensor:
     """``row`` for a participant that rejected its input: failed set, guard lowered, count 0."""
     failed = row.clone()
-    failed[COUNT] = 0.0
-    failed[FAILED] = 1.0
-    failed[GUARD] -= 1.0
+    tail = failed[failed.numel() - TAIL :]
+    tail[COUNT] = 0.0
+    tail[FAILED] = 1.0
+    tail[GUARD] -= 1.0
     return failed

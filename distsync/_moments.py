@@ -3,13 +3,20 @@
 A sync payload is one float64 vector per call, the same length in forward and backward so that a rank in
 the wrong direction meets a well-formed reduction instead of a size mismatch::
 
-    [ first (C) | second (C) | second again (C) | tail (TAIL) ]
+    [ first (C) | second (C) | second again (C) | zeros | tail (TAIL) ]
+
+Its length is a size class (``_identity.payload_size``; the tail tables hold the zeros): ``3C + TAIL`` rounded
+up to a power of two, at least ``MIN_PAYLOAD``. Ranks out of step at layers of different widths then still
+meet equal sizes in most cases (every width up to 80 channels shares the smallest class), and the tail at the
+end makes them raise ``SyncMismatchError``; a collective of unequal sizes would abort the process in gloo (and
+hang in NCCL). It costs at most twice the bytes of an all-reduce that is bound by its latency anyway.
 
 Forward sends ``first = n (m - K)`` and ``second = n (v + (m - K)^2)`` from this rank's ``n`` values per
-channel, their mean ``m`` and biased variance ``v``, around a shift ``K`` that every rank shares (a
-previous healthy global mean where accuracy needs it, else zero: see :func:`update_shift`), so the merge
-``E[(x-K)^2] - E[x-K]^2`` cancels only what ``|mean - K|`` makes it cancel. The second block is sent twice so that one division gives the
-mean, the biased and the unbiased variance. Backward sends the local sums of its gradient formula.
+channel, their mean ``m`` and biased variance ``v``, around a shift ``K`` that every rank shares (a previous
+healthy global mean where accuracy needs it, else zero: see :func:`update_shift`), so the merge ``E[(x-K)^2] -
+E[x-K]^2`` cancels only what ``|mean - K|`` makes it cancel. The second block is sent twice so that one
+division gives the mean, the biased and the unbiased variance. Backward sends the local sums of its gradient
+formula.
 
 The tail (see :mod:`distsync._identity`) carries the count, a rejected-input flag and the call identity
 folded so that every rank reaches the same verdict from the same reduced numbers without reading them:
@@ -50,15 +57,11 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def payload_size(num_channels: int) -> int:
-    return 3 * num_channels + TAIL
-
-
 def pack_moments(mean: Tensor, var: Tensor, base: Tensor | None, count: int, row: Tensor) -> Tensor:
     """Forward payload from this rank's per-channel ``mean`` and biased ``var`` of ``count`` values.
 
     ``base`` is ``K - origin``: the shared shift in the coordinates ``mean`` is given in (None for 0).
-    ``row`` is the call's tail; its count slot holds 1 and becomes ``count`` here.
+    ``row`` is the call's padded tail; its count slot holds 1 and becomes ``count`` here.
     """
     if base is None:  # cat promotes mean and var to float64 (exactly); q = var + d^2 in float64
         payload = torch.cat([mean, var, var, row])
@@ -69,7 +72,7 @@ def pack_moments(mean: Tensor, var: Tensor, base: Tensor | None, count: int, row
         d = torch.sub(mean, base)  # float64
         q = torch.addcmul(var, d, d)
         payload = torch.cat([d, q, q, row])
-    payload[: 3 * d.numel() + 1].mul_(count)
+    payload[: payload.numel() - TAIL + COUNT + 1].mul_(count)
     return payload
 
 
@@ -78,14 +81,15 @@ def pack_sums(first: Tensor, second: Tensor, row: Tensor) -> Tensor:
     return torch.cat([first, second, second, row])
 
 
-def merge(payload: Tensor, scratch: dict) -> Stats:
+def merge(payload: Tensor, num_channels: int, scratch: dict) -> Stats:
     """Global mean (relative to the shared shift), biased and unbiased variance from a reduced payload.
 
     In place on the payload. The shifted sums are exact to float64 rounding, so ``E[(x-K)^2] - E[x-K]^2``
     loses ``log10((mean - K)^2 / var)`` of float64's 16 digits. ``scratch`` caches a per-device constant.
     """
-    c = (payload.numel() - TAIL) // 3
-    count = payload[3 * c + COUNT : 3 * c + COUNT + 1]
+    c = num_channels
+    at = payload.numel() - TAIL + COUNT
+    count = payload[at : at + 1]
     first, seconds = payload[:c], payload[c : 3 * c].view(2, c)
     seconds.addcmul_(first, first / count, value=-1).clamp_min_(0.0)  # sum of squared deviations
     key = ("den", payload.device)
@@ -119,20 +123,21 @@ _REFINE = 2.0**8
 def costs_accuracy(rows: Tensor, eps: float) -> Tensor:
     """Whether some channel's merge (``rows`` from :func:`merge`, mean relative to K) lost more than
     ``REFINE_DIGITS`` digits of the variance it is normalized by (a 0-dim bool tensor; NaN never counts)."""
-    return (rows[0] * rows[0] > _REFINE * (rows[1] + eps)).any()
+    return torch.addcmul(rows[1], rows[0], rows[0], value=-1 / _REFINE).lt_(-eps).any()
 
 
 def update_shift(state, rows: Tensor) -> None:
-    """Move ``state.shift`` (K) to this call's global mean ``rows[0]`` where the rules above allow it."""
+    """Move ``state.shift`` (K) to this call's global mean ``rows[0]`` where the rules above allow it.
+
+    ``state.shift_ref`` holds ``SHIFT_JUMP`` times the variance of the last call with a finite one.
+    """
     mean, var = rows[0], rows[1]
-    healthy = mean.isfinite() & var.isfinite()
-    reference = state.shift_ref
-    adopt = healthy if reference is None else healthy & (var <= reference * SHIFT_JUMP)
-    fallback = torch.zeros_like(mean) if state.shift is None else state.shift
-    state.shift = torch.where(adopt, mean, fallback)
-    if reference is None:
-        reference = torch.full_like(var, float("inf"))
-    state.shift_ref = torch.where(healthy, var, reference)
+    if state.shift is None:
+        state.shift = torch.zeros_like(mean)
+        state.shift_ref = torch.full_like(var, float("inf"))
+    adopt = torch.le(var, state.shift_ref).logical_and_(mean.isfinite())  # False for a NaN variance
+    state.shift = torch.where(adopt, mean, state.shift)
+    state.shift_ref = torch.where(var.isfinite(), var * SHIFT_JUMP, state.shift_ref)
 
 
 def running_stat_weight(payload: Tensor, momentum: float | None, out: Tensor, batches: Tensor | None) -> None:
@@ -142,8 +147,7 @@ def running_stat_weight(payload: Tensor, momentum: float | None, out: Tensor, ba
     The guard slot reduces to ``1 - failed - W sum(t^2)`` and ``sum_t (sum t)^2`` is added to it: the
     result is 1 when all ranks sent the same identity and none failed, else at most 0 (Cauchy-Schwarz).
     """
-    c = (payload.numel() - TAIL) // 3
-    tail = payload[3 * c :]
+    tail = payload[payload.numel() - TAIL :]
     ident = tail[IDENTITY]
     healthy = torch.addmv(tail[GUARD : GUARD + 1], ident.view(1, -1), ident).gt(0.5)  # (1,) bool
     if batches is not None:

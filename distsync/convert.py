@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ._identity import record_tree
 from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
 
 __all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "BatchNormNd"]
@@ -105,13 +106,19 @@ def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup |
 
         >>> model = distsync.convert_sync_batchnorm(torchvision.models.resnet18())
     """
+    converted = _convert(module, process_group)
+    record_tree(converted)  # a loaded tree has no registration records: the new layers' paths need them
+    return converted
+
+
+def _convert(module: nn.Module, process_group: dist.ProcessGroup | None) -> nn.Module:
     new_cls = _sync_class(module)
     if new_cls is not None:
         if process_group is None:  # an nn.SyncBatchNorm keeps the group it syncs over
             process_group = getattr(module, "process_group", None)
         return _swap(module, new_cls, process_group=process_group)
     for name, child in module.named_children():
-        converted = convert_sync_batchnorm(child, process_group)
+        converted = _convert(child, process_group)
         if converted is not child:
             module.add_module(name, converted)
     return module

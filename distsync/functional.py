@@ -69,8 +69,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     Forward reduces per-channel count, mean and variance as shifted moment sums (float64); backward reduces
     the two per-channel sums of the gradient formula. The shift only moves on healthy calls, so an empty
-    global batch, a NaN/Inf element or an outlier changes no later call's result (``_moments``). Weight and bias gradients stay local, like
-    ``nn.SyncBatchNorm``: DistributedDataParallel averages them. Not twice differentiable.
+    global batch, a NaN/Inf element or an outlier changes no later call's result (``_moments``). Weight and
+    bias gradients stay local, like ``nn.SyncBatchNorm``: DistributedDataParallel averages them. Not twice
+    differentiable.
     """
 
     @staticmethod
@@ -92,7 +93,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
     ) -> Tensor:
         tag = state.next_tag(FORWARD)
         kernels = kernels_for(input.device)
-        row = state.tail(tag, reducer.world_size, reducer.first, input.device)
+        row = state.tail(tag, reducer.world_size, reducer.first, input.device, num_features)
         count = 0 if problem else input.numel() // max(num_features, 1)
         keeps_shift = _keeps_shift(input, kernels)
         if state.shift is not None and state.shift.device != input.device:
@@ -102,15 +103,15 @@ class SyncBatchNormFunction(torch.autograd.Function):
         payload = _pack(local, shift, count, row, num_features, problem)
         _all_reduce(reducer, payload, tag)
         _check(payload, tag, reducer, problem, True, kernels)
-        stats = _moments.merge(payload, state.scratch)
-        if keeps_shift and _shift_costs_accuracy(stats.rows, eps, kernels):
+        stats = _moments.merge(payload, num_features, state.scratch)
+        if keeps_shift and _shift_costs_accuracy(stats.rows, eps, input.device, kernels.deferred):
             # Rare, CPU only, decided from reduced values on every rank: merge again around this mean.
             shift = stats.rows[0] if shift is None else stats.rows[0] + shift
             shift = torch.where(shift.isfinite(), shift, 0.0)
             payload = _pack(local, shift, count, row, num_features, None)
             _all_reduce(reducer, payload, tag)
             _check(payload, tag, reducer, None, True, kernels)
-            stats = _moments.merge(payload, state.scratch)
+            stats = _moments.merge(payload, num_features, state.scratch)
         rows = stats.rows  # mean - shift, biased and unbiased variance (float64)
         if shift is not None:
             rows[0].add_(shift)
@@ -163,7 +164,7 @@ def _sync_backward(ctx, first: Tensor, second: Tensor) -> Tensor:
     """All-reduce this rank's backward sums; return the reduced (2, C) sums (a view of the payload)."""
     state, reducer = ctx.state, ctx.reducer
     tag = state.next_tag(BACKWARD)
-    row = state.tail(tag, reducer.world_size, reducer.first, first.device)
+    row = state.tail(tag, reducer.world_size, reducer.first, first.device, first.numel())
     payload = _moments.pack_sums(first, second, row)
     _all_reduce(reducer, payload, tag)
     _check(payload, tag, reducer, None, False, ctx.kernels)
@@ -196,10 +197,10 @@ def _base(shift: Tensor | None, local) -> Tensor | None:
     return -origin if shift is None else shift - origin
 
 
-def _shift_costs_accuracy(rows: Tensor, eps: float, kernels) -> bool:
-    """Whether the merge lost more than ``_moments.REFINE_DIGITS`` digits (read where verdicts are read at
-    the call, on the CPU, where it is free; a device keeps to one all-reduce and relies on the shift's
-    health rules)."""
-    if kernels.deferred or torch.compiler.is_compiling():
+def _shift_costs_accuracy(rows: Tensor, eps: float, device: torch.device, deferred: bool = False) -> bool:
+    """Whether the merge lost more than ``_moments.REFINE_DIGITS`` digits (read on the CPU only, where it is
+    free, and only where verdicts are read at the call; a device keeps to one all-reduce and relies on the
+    shift's health rules)."""
+    if device.type != "cpu" or deferred or torch.compiler.is_compiling():
         return False
     return bool(_moments.costs_accuracy(rows, eps).item())

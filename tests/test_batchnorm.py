@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import distsync
-from distsync._identity import TAIL
+from distsync._identity import payload_size
 from distsync.check import Case, default_cases, run_case, tolerance
 from distsync.testing import allocations, run_world
 
@@ -94,8 +94,8 @@ def _count_collectives(rank, world_size):
 
 def test_one_all_reduce_per_direction_and_none_in_eval():
     for train, no_input_grad, evaluation in run_world(_count_collectives, 2):
-        assert train == [(3 * 16 + TAIL) * 8] * 2  # forward + backward, O(C) float64
-        assert no_input_grad == [(3 * 16 + TAIL) * 8]
+        assert train == [payload_size(16) * 8] * 2  # forward + backward, O(C) float64
+        assert no_input_grad == [payload_size(16) * 8]
         assert evaluation == []
 
 

@@ -169,7 +169,8 @@ def _runtime_pending(ready_after: int):
     payloads = []
     for _ in range(2 * _health._LAG):
         tag = state.next_tag(_identity.FORWARD)
-        payloads.append((state.tail(tag, 2, True, torch.device("cpu")) * 2, tag))
+        row = state.tail(tag, 2, True, torch.device("cpu"), 1)
+        payloads.append((row[row.numel() - _identity.TAIL :] * 2, tag))
     return runtime, monitor, payloads
 
 

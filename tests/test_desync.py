@@ -116,3 +116,14 @@ def test_eps_on_one_rank_is_rejected_in_the_all_reduce():
     assert [first[0] for first, _ in outcomes] == ["SyncError", "ValueError"]
     assert "eps must be positive" in outcomes[1][0][1]
     assert all(second == (None, "") for _, second in outcomes)
+
+
+def _different_widths(rank, world_size, widths):
+    layer = distsync.DistSyncBatchNorm1d(widths[rank])
+    return _outcome(lambda: layer(torch.randn(3, widths[rank])))
+
+
+def test_desync_between_layers_of_different_widths_raises_instead_of_aborting():
+    """Payloads come in size classes, so out-of-step layers of 4 and 64 channels meet equal sizes."""
+    for outcome in run_world(_different_widths, 2, (4, 64), timeout=60):
+        assert outcome[0] == "SyncMismatchError" and "layer" in outcome[1], outcome

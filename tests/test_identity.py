@@ -18,6 +18,7 @@ from distsync._identity import (
     call_modulus,
     layer_hash,
     layer_path,
+    payload_size,
 )
 from distsync._moments import verdict
 from distsync.testing import run_world
@@ -52,6 +53,9 @@ def test_paths_are_the_same_for_built_loaded_copied_and_wrapped_models():
     outer, loaded_outer = nn.Module(), nn.Module()
     outer.net, loaded_outer.net = _model(), _reload(built)
     assert _paths(outer) == _paths(loaded_outer) == ["net.1", "net.2.0"]
+    # A plain model loaded, then converted: the new layers are named from the loaded root.
+    plain = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)))
+    assert _paths(distsync.convert_sync_batchnorm(_reload(plain))) == ["1.1"]
     # Directly called submodules are named from the root, so they are told apart.
     model = nn.Module()
     model.encoder, model.decoder = _model(), _model()
@@ -67,6 +71,7 @@ def test_renumbered_and_named_layers():
     twin = distsync.name_layers(_model(), "teacher")
     assert _paths(twin) == ["teacher.1", "teacher.2.0"]
     assert _paths(_reload(twin)) == _paths(copy.deepcopy(twin)) == ["teacher.1", "teacher.2.0"]
+    assert _paths(distsync.name_layers(nn.DataParallel(_model()), "t")) == ["t.1", "t.2.0"]
     with pytest.raises(ValueError, match="non-empty string"):
         distsync.name_layers(twin, "")
 
@@ -78,8 +83,9 @@ def test_layer_ids_are_64_bit_and_do_not_collide_where_crc32_did():
     assert len(ids) == 10_000 and max(ids) >= 2**60
     state = SyncState()
     state.identity = layer_hash("bn3380", 8)
-    row = state.tail(state.next_tag(0), 2, True, torch.device("cpu"))
-    assert row.numel() == TAIL
+    row = state.tail(state.next_tag(0), 2, True, torch.device("cpu"), 8)
+    assert row.numel() == payload_size(8) - 3 * 8 and not row[:-TAIL].any()
+    row = row[-TAIL:]
     digits = row[IDENTITY.start : IDENTITY.start + 4].long().tolist()
     assert sum(d * 2 ** (20 * i) for i, d in enumerate(digits)) == state.identity
 
@@ -110,6 +116,7 @@ def test_worlds_above_the_exact_bound_are_refused_clearly():
         call_modulus(MAX_WORLD_SIZE + 1)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's imports
 def test_compile_wrapper_is_left_out():
     assert _paths(torch.compile(_model())) == ["1", "2.0"]
 
@@ -156,6 +163,18 @@ def _identity_world(rank, world_size, saved):
     # Separately built twins called in rank-dependent order: named, they are told apart.
     twins = [distsync.name_layers(_built(), name) for name in ("a", "b")]
     seen["named twins swapped"] = _outcome(lambda: twins[rank].encoder(_x()).shape)
+    # A layer shared by two parents, a checkpointed block and functional_call: every rank alike.
+    shared = _built()
+    shared.decoder[1] = shared.encoder[1]
+
+    def shared_and_checkpointed():
+        x = _x().requires_grad_()
+        y = torch.utils.checkpoint.checkpoint(shared.decoder, shared.encoder(x), use_reentrant=False)
+        y.sum().backward()
+        params = {name: p.detach() * 2 for name, p in shared.encoder.named_parameters()}
+        return torch.func.functional_call(shared.encoder, params, (_x(),)).shape
+
+    seen["shared, checkpoint, functional"] = _outcome(shared_and_checkpointed)
     # The first batch is not kept alive by the layer (no caller frames read).
     fresh = _built()
     batch = _x()
@@ -176,7 +195,7 @@ def test_identity_across_ranks_without_frames():
     buffer = io.BytesIO()
     torch.save(_built(), buffer)
     for seen in run_world(_identity_world, 2, buffer.getvalue()):
-        for scenario in ("loaded, direct calls", "wrapper on one rank"):
+        for scenario in ("loaded, direct calls", "wrapper on one rank", "shared, checkpoint, functional"):
             assert seen[scenario] == (None, torch.Size([3, 4, 2, 2])), (scenario, seen[scenario])
         for scenario in ("swapped submodules", "colliding names", "named twins swapped"):
             assert seen[scenario][0] == "SyncMismatchError", (scenario, seen[scenario])

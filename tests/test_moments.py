@@ -161,3 +161,24 @@ def test_shift_rules_without_a_world():
     assert call(6.0, 1.0) == 6.0  # back to normal: adopted
     assert call(1e3, 4.0 * SHIFT_JUMP) == 6.0  # a lasting change of scale...
     assert call(1e3 + 1, 4.0 * SHIFT_JUMP) == 1e3 + 1  # ...is adopted one call later
+
+
+def test_payload_size_classes():
+    """Every width up to 80 channels shares one size; above, a class costs at most twice the bytes."""
+    from distsync._identity import MIN_PAYLOAD, TAIL, payload_size
+
+    assert {payload_size(c) for c in range(1, 81)} == {MIN_PAYLOAD}
+    for c in range(1, 5000, 7):
+        assert 3 * c + TAIL <= payload_size(c) <= max(MIN_PAYLOAD, 2 * (3 * c + TAIL))
+
+
+def test_shift_rules_never_read_device_values():
+    """On a device (meta here: reading a value raises) the shift moves without any host sync."""
+    from distsync.functional import _shift_costs_accuracy
+
+    state = SyncState()
+    rows = torch.empty(3, 4, dtype=torch.float64, device="meta")
+    for _ in range(2):
+        update_shift(state, rows)
+    assert state.shift.device.type == "meta" and state.shift_ref.device.type == "meta"
+    assert not _shift_costs_accuracy(rows, 1e-5, rows.device)
