@@ -118,6 +118,13 @@ class DistSyncBatchNorm(_BatchNorm):
         self._counters = self._counters.to(fn(torch.zeros(0, dtype=torch.int64)).device)
         return result
 
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        if "_counters" not in self.__dict__:  # a layer pickled whole before compiled calls were counted
+            self._counters = _compiled.Counters(
+                self.num_batches_tracked.device if self.track_running_stats else None
+            )
+
     eps_mode = "plus"
     """How eps enters the synchronized statistics: ``"plus"``, ``sqrt(var + eps)`` (``nn.BatchNorm``), or
     ``"clamp"``, ``sqrt(max(var, eps))`` (Synchronized-BatchNorm's default; see ``distsync.parallel``)."""
