@@ -5,6 +5,7 @@ from ._identity import name_layers
 from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
 from .convert import BatchNormNd, convert_sync_batchnorm, revert_sync_batchnorm
 from .distributed import init_distributed
+from .elastic import LaunchError, launch
 from .errors import SyncError, SyncMismatchError
 from .groups import create_syncbn_process_group
 
@@ -18,12 +19,14 @@ __all__ = [
     "DistSyncBatchNorm1d",
     "DistSyncBatchNorm2d",
     "DistSyncBatchNorm3d",
+    "LaunchError",
     "SyncError",
     "SyncMismatchError",
     "check_sync",
     "create_syncbn_process_group",
     "convert_sync_batchnorm",
     "init_distributed",
+    "launch",
     "name_layers",
     "revert_sync_batchnorm",
     *_shim_names,

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import itertools
 import logging
 import os
-import socket
 import sys
 import time
-import uuid
 import warnings
 
 import hydra
@@ -274,9 +273,7 @@ def hydra_main(cfg: DictConfig) -> float:
         _fail(str(error), error)
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
-    if under_torchrun():
-        if hydra_cfg.mode == RunMode.MULTIRUN:
-            _fail("-m/--multirun cannot run under an external torchrun")
+    if under_torchrun():  # an external torchrun (prepare_argv refused -m there), or hydra/launcher=torchrun
         from .worker import run
 
         summary = run(train_cfg, run_dir)
@@ -350,43 +347,40 @@ def _check_data(cfg: TrainConfig, world: int) -> None:
 
 
 def launch(cfg: TrainConfig, run_dir: str) -> dict:
-    """Run :func:`distsync.train.worker.run` on a torchrun world started here; return rank 0's summary.
+    """Run :func:`distsync.train.worker.run` on a torchrun world started by :func:`distsync.launch`.
 
-    Single node: c10d rendezvous on ``localhost`` with a port the OS picks, so jobs can run side by side.
+    Returns rank 0's summary. Single node: localhost on a port the OS picks, so jobs can run side by side.
     Multi-node: ``trainer.nnodes`` agents meet at ``trainer.rdzv_endpoint`` under ``trainer.rdzv_id``;
     under SLURM both default to the job's first host and id (one agent per node, see docs/training.md).
     Workers that die are restarted together up to ``trainer.max_restarts`` times and resume from the
     newest checkpoint.
     """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from distsync.elastic import LaunchError
+    from distsync.elastic import launch as elastic_launch
 
     from .worker import run
 
     t = cfg.trainer
-    endpoint, run_id = _rendezvous(cfg)
-    config = LaunchConfig(
-        min_nodes=t.nnodes,
-        max_nodes=t.nnodes,
-        nproc_per_node=t.nproc_per_node,
-        run_id=run_id,
-        role="distsync",
-        rdzv_endpoint=endpoint,
-        rdzv_backend="c10d",
-        rdzv_configs={"timeout": 900} if t.nnodes > 1 else {},
-        max_restarts=t.max_restarts,
-        monitor_interval=t.monitor_interval,
-        start_method="spawn",
-    )
     lock = _lock_for_workers(cfg, run_dir)
     try:
-        results = elastic_launch(config, run)(cfg, os.path.abspath(run_dir))
-    except ChildFailedError as error:
-        _fail(f"training failed after {t.max_restarts} restart(s):\n{error.format_msg()}", error)
+        return elastic_launch(
+            functools.partial(run, run_dir=os.path.abspath(run_dir)),
+            cfg,
+            nproc_per_node=t.nproc_per_node,
+            nnodes=t.nnodes,
+            rdzv_endpoint=t.rdzv_endpoint,
+            rdzv_id=t.rdzv_id,
+            max_restarts=t.max_restarts,
+            monitor_interval=t.monitor_interval,
+            role="distsync",
+        )
+    except LaunchError as error:
+        _fail(f"training failed after {t.max_restarts} restart(s): {error}", error)
+    except ValueError as error:  # a rendezvous setting torchrun cannot use
+        _fail(str(error), error)
     finally:
         if lock is not None:
             lock.release()
-    return results[0] if 0 in results else next(iter(results.values()))
 
 
 def _lock_for_workers(cfg: TrainConfig, run_dir: str) -> RunDirLock | None:
@@ -414,39 +408,6 @@ def _lock_for_workers(cfg: TrainConfig, run_dir: str) -> RunDirLock | None:
         lock.release()
         raise
     return lock
-
-
-def _rendezvous(cfg: TrainConfig) -> tuple[str, str]:
-    t = cfg.trainer
-    if t.nnodes == 1 and not t.rdzv_endpoint:
-        return "localhost:0", t.rdzv_id or uuid.uuid4().hex
-    endpoint, run_id = t.rdzv_endpoint, t.rdzv_id
-    if "SLURM_JOB_ID" in os.environ:
-        host, job_id = _slurm_first_host_and_id()
-        endpoint = endpoint or f"{host}:29500"
-        run_id = run_id or job_id
-    if not endpoint:
-        raise ConfigError("trainer.rdzv_endpoint must be host:port when trainer.nnodes > 1 outside SLURM")
-    return endpoint, run_id or "distsync"
-
-
-def _slurm_first_host_and_id() -> tuple[str, str]:
-    """First host of the allocation and the job id, from submitit when it runs this job, else scontrol."""
-    try:
-        import submitit
-
-        env = submitit.JobEnvironment()
-        return env.hostnames[0], str(env.job_id)
-    except (ImportError, RuntimeError):
-        import subprocess
-
-        nodes = subprocess.run(
-            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split()
-        return nodes[0] if nodes else socket.gethostname(), os.environ["SLURM_JOB_ID"]
 
 
 # ------------------------------------------------------------------------------------------- console script
