@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import Any, Dict  # noqa: UP035  (OmegaConf reads these annotations)
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "OptimConfig", "TrainerConfig", "TrainConfig"]
 
 NORMS = ("sync", "local", "torch")
+PRECISIONS = ("32", "bf16", "fp16")
+Node = Dict[str, Any]  # noqa: UP006  a ``_target_`` node (distsync.train.targets); empty: not used
 DATASETS = ("digits", "synthetic")
 OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
 METRICS = ("accuracy", "final_loss", "eval_loss")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+
+
+def _node(key: str, node) -> None:
+    if node:
+        _require(isinstance(node.get("_target_"), str), key, "must be a node with a _target_", node)
 
 
 class ConfigError(ValueError):
@@ -37,7 +45,13 @@ class ModelConfig:
     """The small CNN: conv-BN-ReLU blocks, global average pooling, one linear classifier."""
 
     name: str = "cnn"
-    """Model family; only ``cnn`` exists."""
+    """``cnn`` (the small CNN below), or any name for the model ``factory`` builds (logs and summary)."""
+    factory: Node = field(default_factory=dict)
+    """A ``_target_`` node that builds the model instead: any importable callable and its keyword
+    arguments (``{_target_: torchvision.models.resnet18, num_classes: 10}``)."""
+    loss: Node = field(default_factory=dict)
+    """A ``_target_`` node for the loss module (``{_target_: torch.nn.CrossEntropyLoss, label_smoothing:
+    0.1}``); default: cross-entropy."""
     channels: list[int] = field(default_factory=lambda: [32, 64, 64])
     """Output channels of each conv block; blocks after the first start with a 2x2 max pool."""
     norm: str = "sync"
@@ -46,7 +60,10 @@ class ModelConfig:
     """Dropout before the classifier."""
 
     def __post_init__(self) -> None:
-        _one_of("model.name", self.name, ("cnn",))
+        if not self.factory:
+            _one_of("model.name", self.name, ("cnn",))
+        _node("model.factory", self.factory)
+        _node("model.loss", self.loss)
         _one_of("model.norm", self.norm, NORMS)
         _require(len(self.channels) >= 1, "model.channels", "must list at least one width", self.channels)
         _require(all(c >= 1 for c in self.channels), "model.channels", "must be positive", self.channels)
@@ -73,9 +90,21 @@ class DataConfig:
     """Synthetic only: height and width."""
     noise: float = 1.0
     """Synthetic only: standard deviation of the noise added to the class template."""
+    train: Node = field(default_factory=dict)
+    """A ``_target_`` node for a map-style training dataset of ``(image, label)`` pairs instead of the
+    built-in data (``torchvision.datasets.ImageFolder``, ``FakeData``, yours); needs ``test`` too."""
+    test: Node = field(default_factory=dict)
+    """The held-out dataset's ``_target_`` node, with ``train``."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank, for ``train``/``test`` datasets."""
 
     def __post_init__(self) -> None:
-        _one_of("data.name", self.name, DATASETS)
+        if not self.train:
+            _one_of("data.name", self.name, DATASETS)
+        _node("data.train", self.train)
+        _node("data.test", self.test)
+        _require(bool(self.train) == bool(self.test), "data.test", "goes with data.train", self.test)
+        _require(self.num_workers >= 0, "data.num_workers", "must be >= 0", self.num_workers)
         _require(self.batch_size >= 1, "data.batch_size", "must be >= 1", self.batch_size)
         _require(
             0.0 < self.test_fraction < 1.0, "data.test_fraction", "must be in (0, 1)", self.test_fraction
@@ -102,9 +131,18 @@ class OptimConfig:
     """``cosine`` decay to zero at ``trainer.max_steps``, or ``constant``."""
     warmup_steps: int = 0
     """Linear warm-up steps before the schedule."""
+    factory: Node = field(default_factory=dict)
+    """A ``_target_`` node for another optimizer, called with the model's parameters first
+    (``{_target_: torch.optim.RMSprop, alpha: 0.9}``); ``lr`` is ``optim.lr`` unless the node sets it."""
+    scheduler: Node = field(default_factory=dict)
+    """A ``_target_`` node for the LR scheduler, called with the optimizer first and stepped every
+    optimizer step; replaces ``schedule`` and ``warmup_steps``."""
 
     def __post_init__(self) -> None:
-        _one_of("optim.name", self.name, OPTIMIZERS)
+        if not self.factory:
+            _one_of("optim.name", self.name, OPTIMIZERS)
+        _node("optim.factory", self.factory)
+        _node("optim.scheduler", self.scheduler)
         _one_of("optim.schedule", self.schedule, SCHEDULES)
         _require(self.lr > 0.0, "optim.lr", "must be > 0", self.lr)
         _require(0.0 <= self.momentum < 1.0, "optim.momentum", "must be in [0, 1)", self.momentum)
@@ -156,6 +194,16 @@ class TrainerConfig:
     """Post-local-SGD: after ``local_sgd_warmup`` steps, average models every this many steps (0: off)."""
     local_sgd_warmup: int = 100
     """Steps of ordinary DDP before post-local-SGD starts."""
+    precision: str = "32"
+    """``32``, or autocast to ``bf16`` / ``fp16`` (fp16 on CUDA, with a gradient scaler)."""
+    channels_last: bool = False
+    """Model and inputs in the channels-last memory format."""
+    grad_accum_steps: int = 1
+    """Micro-batches of ``data.batch_size`` per optimizer step (DDP syncs gradients on the last one)."""
+    grad_clip: float = 0.0
+    """Clip the gradients' global norm to this value before each optimizer step (0: off)."""
+    compile: bool = False
+    """``torch.compile`` the model for training."""
 
     def __post_init__(self) -> None:
         _require(self.nproc_per_node >= 1, "trainer.nproc_per_node", "must be >= 1", self.nproc_per_node)
@@ -176,6 +224,10 @@ class TrainerConfig:
         _require(self.monitor_interval > 0, "trainer.monitor_interval", "must be > 0", self.monitor_interval)
         _one_of("trainer.metric", self.metric, METRICS)
         _one_of("trainer.comm_hook", self.comm_hook, COMM_HOOKS)
+        _one_of("trainer.precision", self.precision, PRECISIONS)
+        accum = self.grad_accum_steps
+        _require(accum >= 1, "trainer.grad_accum_steps", "must be >= 1", accum)
+        _require(self.grad_clip >= 0.0, "trainer.grad_clip", "must be >= 0", self.grad_clip)
         _require(self.powersgd_rank >= 1, "trainer.powersgd_rank", "must be >= 1", self.powersgd_rank)
         _require(
             self.local_sgd_period >= 0, "trainer.local_sgd_period", "must be >= 0", self.local_sgd_period

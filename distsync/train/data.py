@@ -6,11 +6,21 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from .config import ConfigError, DataConfig
+from .targets import instantiate
 
-__all__ = ["Split", "load_data", "ShardedBatches", "shard_indices"]
+__all__ = [
+    "Split",
+    "load_data",
+    "build_datasets",
+    "ShardedBatches",
+    "LoaderBatches",
+    "eval_batches",
+    "shard_indices",
+]
 
 Split = tuple[Tensor, Tensor]
 """Images ``(N, C, H, W)`` as float32 and labels ``(N,)`` as int64."""
@@ -111,3 +121,99 @@ class ShardedBatches:
                 self.batch += 1
                 yield self.images[idx], self.labels[idx]
             self.epoch, self.batch = self.epoch + 1, 0
+
+
+def build_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset]:
+    """The training and held-out datasets of ``data.train`` / ``data.test`` (``_target_`` nodes)."""
+    return instantiate(cfg.train), instantiate(cfg.test)
+
+
+class _ResumableSampler(Sampler[int]):
+    """A :class:`DistributedSampler`'s order for one epoch, from a given sample on."""
+
+    def __init__(self, sampler: DistributedSampler) -> None:
+        self.sampler, self.start = sampler, 0
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self.sampler)[self.start :])
+
+    def __len__(self) -> int:
+        return len(self.sampler) - self.start
+
+
+class LoaderBatches:
+    """:class:`ShardedBatches` for a map-style dataset: batches from a ``DataLoader`` (``num_workers``
+    processes) over this rank's share, resumable mid-epoch at the same position.
+
+    Args:
+        dataset: ``(input, label)`` pairs
+        batch_size: samples per rank per step
+        rank: this rank
+        world_size: number of ranks
+        seed: shuffling seed, the same on every rank
+        num_workers: DataLoader worker processes
+        pin_memory: page-locked batches, for a GPU
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+    ) -> None:
+        sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
+        self.batches_per_epoch = len(sampler) // batch_size
+        if self.batches_per_epoch == 0:
+            raise ConfigError(
+                f"data.batch_size must be at most {len(sampler)} with {world_size} ranks "
+                f"({len(dataset)} training samples) (got {batch_size})"
+            )
+        self.sampler = _ResumableSampler(sampler)
+        self.loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=self.sampler,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            drop_last=True,
+        )
+        self.batch_size = batch_size
+        self.epoch = 0
+        self.batch = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        while True:
+            self.sampler.sampler.set_epoch(self.epoch)
+            self.sampler.start = self.batch * self.batch_size
+            for inputs, labels in self.loader:
+                self.batch += 1
+                yield inputs, labels
+                if self.batch == self.batches_per_epoch:
+                    break
+            self.epoch, self.batch = self.epoch + 1, 0
+
+
+def eval_batches(test, rank: int, world_size: int, batch_size: int, num_workers: int = 0):
+    """This rank's share of the held-out data in batches: every sample once over all ranks.
+
+    ``test`` is a :data:`Split` of tensors or a map-style dataset.
+    """
+    if isinstance(test, tuple):
+        images, labels = test
+        for chunk in shard_indices(len(labels), rank, world_size).split(batch_size):
+            yield images[chunk], labels[chunk]
+        return
+    share = Subset(test, shard_indices(len(test), rank, world_size).tolist())
+    yield from DataLoader(share, batch_size=batch_size, num_workers=num_workers)

@@ -32,6 +32,7 @@ from omegaconf.errors import OmegaConfBaseException
 from .config import ConfigError, TrainConfig
 from .resume import check_resume
 from .rundir import RunDirBusy, RunDirLock
+from .targets import check_targets
 
 __all__ = [
     "register_configs",
@@ -94,6 +95,7 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
         raise ConfigError(f"{key}: {message.splitlines()[0]}") from error
     if not isinstance(train_cfg, TrainConfig):
         raise ConfigError(f"config: expected the train_schema structure, got {type(train_cfg).__name__}")
+    check_targets(train_cfg)
     return train_cfg
 
 
@@ -299,6 +301,8 @@ def _check_environment(cfg: TrainConfig) -> None:
             "model.norm=torch uses nn.SyncBatchNorm, which needs CUDA with more than one rank; "
             "use model.norm=sync (DistSyncBatchNorm runs on CPU/gloo)"
         )
+    if cfg.trainer.precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("trainer.precision=fp16 needs CUDA (its gradient scaler); use bf16 on the CPU")
     if cfg.trainer.comm_hook == "bf16" and world > 1 and not torch.cuda.is_available():
         raise ConfigError("trainer.comm_hook=bf16 needs CUDA with NCCL 2.10+; use fp16 or powersgd on CPU")
     _check_data(cfg, world)
@@ -322,6 +326,8 @@ def _check_environment(cfg: TrainConfig) -> None:
 
 def _check_data(cfg: TrainConfig, world: int) -> None:
     """What the workers would find wrong with the data, found here so no world starts (or restarts) for it."""
+    if cfg.data.train:  # a dataset of the user's: built in the workers only
+        return
     from .data import load_data
 
     with warnings.catch_warnings():  # an empty split warns in load_data; the error below says more

@@ -8,6 +8,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import distsync
 
 from .config import ModelConfig
+from .targets import instantiate
 
 __all__ = ["SmallCNN", "build_model", "all_norms_synced", "batch_norms"]
 
@@ -47,9 +48,14 @@ class SmallCNN(nn.Module):
 
 
 def build_model(cfg: ModelConfig, in_channels: int, num_classes: int) -> nn.Module:
-    """A :class:`SmallCNN` whose batch norms are DistSyncBatchNorm (``sync``), per-rank BatchNorm2d
-    (``local``) or ``nn.SyncBatchNorm`` (``torch``)."""
-    model = SmallCNN(in_channels, num_classes, tuple(cfg.channels), cfg.dropout)
+    """The model of ``model.factory`` (else a :class:`SmallCNN`) whose batch norms are DistSyncBatchNorm
+    (``sync``), per-rank ``nn.BatchNorm*`` (``local``) or ``nn.SyncBatchNorm`` (``torch``)."""
+    if cfg.factory:
+        model = instantiate(cfg.factory)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model.factory: {cfg.factory['_target_']} returned {type(model).__name__}")
+    else:
+        model = SmallCNN(in_channels, num_classes, tuple(cfg.channels), cfg.dropout)
     if cfg.norm == "sync":
         return distsync.convert_sync_batchnorm(model)
     if cfg.norm == "torch":

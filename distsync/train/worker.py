@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import datetime
 import inspect
@@ -33,13 +35,14 @@ from .checkpoint import (
 )
 from .comm import CommSetup
 from .config import TrainConfig
-from .data import ShardedBatches, load_data, shard_indices
+from .data import LoaderBatches, ShardedBatches, build_datasets, eval_batches, load_data
 from .lifeline import die_with_parent
 from .logs import console_quiet, init_logger
 from .metrics import MetricsLog, plot_curves, write_json_atomic
 from .model import all_norms_synced, batch_norms, build_model
 from .resume import ResumeError, check_resume
 from .rundir import RunDirBusy, RunDirLock, held_by_launcher
+from .targets import instantiate
 
 __all__ = ["run"]
 
@@ -115,12 +118,20 @@ class _Trainer:
                 self.log.warning("removed %s, left by a checkpoint save that was interrupted", tmp.name)
 
         torch.manual_seed(t.seed)  # the same initial model on every rank
-        train, self.test, num_classes = load_data(cfg.data)
-        self.batches = ShardedBatches(train, cfg.data.batch_size, self.rank, self.world_size, t.seed)
-        self.model = build_model(cfg.model, train[0].shape[1], num_classes).to(device)
+        self._load_data(cfg)
+        self.model = build_model(cfg.model, self.in_channels, self.num_classes).to(device)
+        if t.channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.criterion = instantiate(cfg.model.loss) if cfg.model.loss else torch.nn.CrossEntropyLoss()
         self.comm = CommSetup(t, self.world_size)
         self.optimizer = self.comm.wrap_optimizer(_optimizer(cfg, self.model))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg))
+        if cfg.optim.scheduler:
+            self.scheduler = instantiate(cfg.optim.scheduler, self.optimizer)
+        else:
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg))
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+        self.autocast = (lambda: torch.autocast(device.type, dtype=low)) if low else contextlib.nullcontext
+        self.scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
         _seed_everything(t.seed + self.rank)  # per-rank randomness (dropout) from here on
 
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=self.rank == 0)
@@ -128,10 +139,32 @@ class _Trainer:
         self.first_started = started
         local_states = self._resume()
         self.ddp = self._wrap_ddp()
+        self.forward = torch.compile(self.ddp) if t.compile else self.ddp
         if local_states is not None:  # after DDP's constructor, which copies rank 0's parameters everywhere
             self.model.load_state_dict(local_states["model"])
 
     # ------------------------------------------------------------------------------------------- setup
+
+    def _load_data(self, cfg: TrainConfig) -> None:
+        """Training batches and held-out data: the built-in tensors, or the ``data.train/test`` datasets."""
+        seed = cfg.trainer.seed
+        if not cfg.data.train:
+            train, self.test, self.num_classes = load_data(cfg.data)
+            self.batches = ShardedBatches(train, cfg.data.batch_size, self.rank, self.world_size, seed)
+            self.in_channels = train[0].shape[1]
+            return
+        train, self.test = build_datasets(cfg.data)
+        self.batches = LoaderBatches(
+            train,
+            cfg.data.batch_size,
+            self.rank,
+            self.world_size,
+            seed,
+            cfg.data.num_workers,
+            pin_memory=self.device.type == "cuda",
+        )
+        self.num_classes = cfg.data.num_classes
+        self.in_channels = None if cfg.model.factory else train[0][0].shape[0]
 
     def _wrap_ddp(self) -> torch.nn.Module:
         if not is_distributed():
@@ -222,14 +255,10 @@ class _Trainer:
         batches = iter(self.batches)
         self.ddp.train()
         while self.step < t.max_steps:
-            images, labels = (x.to(self.device, non_blocking=True) for x in next(batches))
-            loss = F.cross_entropy(self.ddp(images), labels)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
+            loss = self._train_step(batches)
             self.scheduler.step()
             self.step += 1
-            loss_sum += torch.stack([loss.detach().double(), loss.new_ones((), dtype=torch.float64)])
+            loss_sum += torch.stack([loss.double(), loss.new_ones((), dtype=torch.float64)])
             if bar is not None:
                 bar.update(1)
             if (
@@ -246,6 +275,29 @@ class _Trainer:
             if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
                 self._checkpoint()
             _test_kill_hook(self.step, self.rank, self.restarts)
+
+    def _train_step(self, batches) -> torch.Tensor:
+        """One optimizer step over ``trainer.grad_accum_steps`` micro-batches; returns the mean loss."""
+        t = self.cfg.trainer
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        for micro in range(t.grad_accum_steps):
+            inputs, labels = (x.to(self.device, non_blocking=True) for x in next(batches))
+            if t.channels_last and inputs.dim() == 4:
+                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            last = micro == t.grad_accum_steps - 1
+            no_sync = getattr(self.ddp, "no_sync", None)
+            with contextlib.nullcontext() if last or no_sync is None else no_sync():
+                with self.autocast():
+                    loss = self.criterion(self.forward(inputs), labels) / t.grad_accum_steps
+                self.scaler.scale(loss).backward()
+            total += loss.detach().float()
+        if t.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return total
 
     def _log_train(self, loss_sum: torch.Tensor, bar) -> None:
         _all_reduce(loss_sum)
@@ -265,25 +317,39 @@ class _Trainer:
         self.log.info(_fmt(row))
 
     @torch.no_grad()
-    def _evaluate(self) -> tuple[float, float]:
-        """Held-out accuracy and loss, each rank on its share, summed across ranks."""
-        images, labels = self.test
-        idx = shard_indices(len(labels), self.rank, self.world_size)
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss sum, correct, count
+    def _evaluate(self) -> tuple[float, float, float | None]:
+        """Held-out top-1 accuracy, loss and top-5 accuracy (None with 5 classes or fewer), each rank on its
+        share, summed across ranks."""
+        d = self.cfg.data
+        # loss sum, top-1 correct, count, top-5 correct
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)
+        classes = 0
         self.model.eval()
-        for chunk in idx.split(1024):
-            x, y = images[chunk].to(self.device), labels[chunk].to(self.device)
-            logits = self.model(x)
+        for x, y in eval_batches(self.test, self.rank, self.world_size, 1024, d.num_workers):
+            x, y = x.to(self.device), y.to(self.device)
+            if self.cfg.trainer.channels_last and x.dim() == 4:
+                x = x.contiguous(memory_format=torch.channels_last)
+            with self.autocast():
+                logits = self.model(x).float()
+            classes = logits.shape[1]
             totals[0] += F.cross_entropy(logits, y, reduction="sum").double()
             totals[1] += (logits.argmax(1) == y).sum().double()
             totals[2] += len(y)
+            if classes > 5:
+                totals[3] += (logits.topk(5, dim=1).indices == y[:, None]).any(1).sum().double()
         self.model.train()
+        has_top5 = torch.tensor([float(classes > 5)], device=self.device)
         _all_reduce(totals)
+        _all_reduce(has_top5)  # a rank with no held-out sample saw no logits
         count = max(totals[2].item(), 1.0)
         accuracy, eval_loss = totals[1].item() / count, totals[0].item() / count
-        self.metrics.write(kind="eval", step=self.step, accuracy=accuracy, eval_loss=eval_loss)
-        self.log.info("step %d: held-out accuracy %.4f, loss %.4f", self.step, accuracy, eval_loss)
-        return accuracy, eval_loss
+        top5 = totals[3].item() / count if has_top5.item() > 0 else None
+        row = {"accuracy": accuracy, "eval_loss": eval_loss}
+        if top5 is not None:
+            row["accuracy_top5"] = top5
+        self.metrics.write(kind="eval", step=self.step, **row)
+        self.log.info("step %d: held-out %s", self.step, ", ".join(f"{k} {v:.4f}" for k, v in row.items()))
+        return accuracy, eval_loss, top5
 
     def _checkpoint(self) -> None:
         mine = {"rng": rng_state()}
@@ -309,19 +375,21 @@ class _Trainer:
         self.log.info("checkpoint %s", path)
 
     def _finish(self) -> dict:
-        accuracy, eval_loss = self._evaluate()
+        accuracy, eval_loss, top5 = self._evaluate()
         in_sync = self._bn_buffers_in_sync()
         summary = {
             "world_size": self.world_size,
             "steps": self.step,
             "final_loss": self.last_loss,
             "accuracy": accuracy,
+            "accuracy_top5": top5,
             "eval_loss": eval_loss,
             "bn_buffers_in_sync": in_sync,
             "restarts": self.restarts,
             "resumed_from_step": self.resumed_from,
             "wall_seconds": round(time.time() - self.first_started, 3),
             "attempt_wall_seconds": round(time.time() - self.started, 3),
+            "model": self.cfg.model.name,
             "norm": self.cfg.model.norm,
             "dataset": self.cfg.data.name,
             "global_batch_size": self.cfg.data.batch_size * self.world_size,
@@ -331,6 +399,7 @@ class _Trainer:
             "local_sgd_period": self.cfg.trainer.local_sgd_period,
         }
         if self.rank == 0:
+            self._save_inference_model()
             write_json_atomic(self.run_dir / "summary.json", summary)
             plot_curves(
                 self.metrics.rows(),
@@ -349,6 +418,15 @@ class _Trainer:
             )
         return summary
 
+    def _save_inference_model(self) -> None:
+        """``model_inference.pt``: the whole trained model with plain ``nn.BatchNorm`` layers, for eval and
+        export without a process group (``torch.load(path, weights_only=False)``)."""
+        model = distsync.revert_sync_batchnorm(copy.deepcopy(self.model)).eval()
+        path = self.run_dir / "model_inference.pt"
+        temporary = path.with_name(path.name + ".tmp")
+        torch.save(model, temporary)
+        os.replace(temporary, path)
+
     def _bn_buffers_in_sync(self) -> bool:
         """True iff every BN buffer is bitwise identical on all ranks (an element-wise max == min check)."""
         buffers = [b.detach().double().flatten() for m in batch_norms(self.model) for b in m.buffers()]
@@ -366,6 +444,8 @@ class _Trainer:
 
 def _optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     o = cfg.optim
+    if o.factory:
+        return instantiate(o.factory, model.parameters(), **({} if "lr" in o.factory else {"lr": o.lr}))
     if o.name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
     return torch.optim.SGD(

@@ -1,0 +1,112 @@
+"""``_target_`` nodes: the config names any importable factory, with its keyword arguments.
+
+A node is a plain dict such as ``{"_target_": "torchvision.models.resnet18", "num_classes": 10}``, the
+convention of ``hydra.utils.instantiate``. The workers receive the resolved config as plain data, so they
+build nodes here without Hydra; nested nodes (a ``Compose`` of transforms) are built first. Before any
+worker starts, :func:`check_node` imports every target and checks every key against its signature, so a
+misspelled argument costs one line, not a world of failed workers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from .config import ConfigError
+
+__all__ = ["TARGET", "is_node", "import_target", "check_node", "check_targets", "instantiate"]
+
+TARGET = "_target_"
+
+
+def is_node(value: Any) -> bool:
+    return isinstance(value, dict) and TARGET in value
+
+
+def import_target(path: str, key: str = "_target_") -> Callable:
+    """The callable named by the dotted ``path``; :class:`ConfigError` naming ``key`` if it cannot be had."""
+    parts = str(path).split(".")
+    error: Exception = ValueError("not a dotted path")
+    for split in range(len(parts) - 1, 0, -1):  # the longest importable module, then attributes
+        try:
+            target = importlib.import_module(".".join(parts[:split]))
+        except ImportError as caught:
+            error = caught
+            continue
+        try:
+            for part in parts[split:]:
+                target = getattr(target, part)
+        except AttributeError as caught:
+            error = caught
+            break
+        if callable(target):
+            return target
+        error = TypeError("not callable")
+        break
+    raise ConfigError(f"{key}: cannot import {path!r} ({error})")
+
+
+def check_node(node: dict, key: str, positional: int = 0) -> None:
+    """Import ``node``'s target and check its keys against the target's signature, nested nodes too.
+
+    ``positional`` leading parameters are supplied by the job (an optimizer's ``params``), not the config.
+    """
+    target = import_target(node[TARGET], f"{key}._target_")
+    try:
+        parameters = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check against
+        parameters = None
+    if parameters is not None:
+        names = {p.name for p in parameters[positional:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        open_ended = any(p.kind == p.VAR_KEYWORD for p in parameters)
+        for name in node:
+            if name != TARGET and name not in names and not open_ended:
+                known = ", ".join(sorted(names))
+                raise ConfigError(f"{key}.{name}: not a parameter of {node[TARGET]} (it takes: {known})")
+    for name, value in node.items():
+        _check_nested(value, f"{key}.{name}")
+
+
+def _check_nested(value: Any, key: str) -> None:
+    if is_node(value):
+        check_node(value, key)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_nested(item, f"{key}.{i}")
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            _check_nested(item, f"{key}.{name}")
+
+
+def instantiate(node: dict, *args: Any, **overrides: Any) -> Any:
+    """Call ``node``'s target with ``*args`` and its keys (nested nodes built first), ``overrides`` last."""
+    kwargs = {name: _build(value) for name, value in node.items() if name != TARGET}
+    kwargs.update(overrides)
+    return import_target(node[TARGET])(*args, **kwargs)
+
+
+def _build(value: Any) -> Any:
+    if is_node(value):
+        return instantiate(value)
+    if isinstance(value, list):
+        return [_build(item) for item in value]
+    if isinstance(value, dict):
+        return {name: _build(item) for name, item in value.items()}
+    return value
+
+
+def check_targets(cfg) -> None:
+    """Check every ``_target_`` node of a :class:`~distsync.train.config.TrainConfig` (:func:`check_node`)."""
+    nodes = [
+        (cfg.model.factory, "model.factory", 0),
+        (cfg.model.loss, "model.loss", 0),
+        (cfg.data.train, "data.train", 0),
+        (cfg.data.test, "data.test", 0),
+        (cfg.optim.factory, "optim.factory", 1),  # the model's parameters come first
+        (cfg.optim.scheduler, "optim.scheduler", 1),  # the optimizer comes first
+    ]
+    for node, key, positional in nodes:
+        if node:
+            check_node(node, key, positional)

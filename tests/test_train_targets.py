@@ -1,0 +1,121 @@
+"""The training job's ``_target_`` nodes and launch-template options: your own model, data and optimizer."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from launching import FAST, SCRIPT, run_job
+from torch.utils.data import TensorDataset
+
+import distsync
+from distsync.train import DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig
+from distsync.train.config import ConfigError
+from distsync.train.data import LoaderBatches
+from distsync.train.launcher import launch
+from distsync.train.targets import check_node, check_targets, instantiate
+
+
+def test_a_misspelled_argument_names_the_key_and_the_target():
+    with pytest.raises(ConfigError, match=r"^model.factory.out_feature: not a parameter of torch.nn.Linear"):
+        check_node({"_target_": "torch.nn.Linear", "in_features": 2, "out_feature": 3}, "model.factory")
+
+
+def test_nested_nodes_and_leading_arguments_are_checked():
+    node = {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9}
+    check_node(node, "optim.factory", positional=1)  # params come from the job
+    layers = {"_target_": "torch.nn.ModuleList", "modules": [{"_target_": "torch.nn.ReLU", "inplce": True}]}
+    with pytest.raises(ConfigError, match=r"^x.modules.0.inplce: not a parameter of torch.nn.ReLU"):
+        check_node(layers, "x")
+
+
+def test_an_unimportable_target_is_one_line():
+    cfg = TrainConfig(model=ModelConfig(factory={"_target_": "no_such_package.make_model"}))
+    with pytest.raises(ConfigError, match=r"^model.factory._target_: cannot import 'no_such_package.make_m"):
+        check_targets(cfg)
+
+
+def test_instantiate_builds_nested_nodes_first():
+    linear = {"_target_": "torch.nn.Linear", "in_features": 2, "out_features": 3}
+    relu = {"_target_": "torch.nn.ReLU"}
+    built = instantiate({"_target_": "torch.nn.ModuleList", "modules": [relu, linear]})
+    assert isinstance(built[0], torch.nn.ReLU) and built[1].out_features == 3
+
+
+def test_loader_batches_resume_mid_epoch_with_the_same_batches():
+    dataset = TensorDataset(torch.arange(40.0).unsqueeze(1), torch.arange(40))
+    straight = iter(LoaderBatches(dataset, 4, rank=1, world_size=2, seed=3))
+    expected = [next(straight)[1].tolist() for _ in range(8)]  # 5 batches per epoch: crosses an epoch
+    first = LoaderBatches(dataset, 4, rank=1, world_size=2, seed=3)
+    it = iter(first)
+    seen = [next(it)[1].tolist() for _ in range(3)]
+    resumed = LoaderBatches(dataset, 4, rank=1, world_size=2, seed=3)
+    resumed.load_state_dict(first.state_dict())
+    it = iter(resumed)
+    seen += [next(it)[1].tolist() for _ in range(5)]
+    assert seen == expected
+
+
+@pytest.mark.slow
+def test_your_own_model_with_accumulation_clipping_bf16_and_channels_last(tmp_path):
+    cfg = TrainConfig(
+        model=ModelConfig(name="mine", factory={"_target_": "train_fixtures.make_net", "width": 8}),
+        data=DataConfig(name="synthetic", batch_size=8, num_samples=400),
+        optim=OptimConfig(factory={"_target_": "torch.optim.Adam"}, lr=0.01),
+        trainer=TrainerConfig(
+            max_steps=6,
+            checkpoint_every=6,
+            eval_every=6,
+            log_every=3,
+            grad_accum_steps=2,
+            grad_clip=1.0,
+            precision="bf16",
+            channels_last=True,
+            progress=False,
+        ),
+    )
+    summary = launch(cfg, str(tmp_path))
+    assert summary["steps"] == 6 and summary["model"] == "mine"
+    assert 0.0 <= summary["accuracy"] <= summary["accuracy_top5"] <= 1.0  # 10 classes: top-5 reported
+    state = torch.load(sorted((tmp_path / "checkpoints").glob("*.pt"))[-1], weights_only=False)
+    assert state["batches"] == {"epoch": 0, "batch": 12}  # two micro-batches a step
+    assert state["optimizer"]["state"] and "betas" in state["optimizer"]["param_groups"][0]  # Adam
+
+    inference = torch.load(tmp_path / "model_inference.pt", weights_only=False)
+    assert not any(isinstance(m, distsync.DistSyncBatchNorm) for m in inference.modules())
+    assert isinstance(inference[1], torch.nn.BatchNorm2d) and not inference.training
+    assert torch.equal(inference[1].running_mean, state["model"]["1.running_mean"])
+
+
+@pytest.mark.slow
+def test_command_line_targets_train_or_fail_in_one_line(tmp_path):
+    common = [sys.executable, str(SCRIPT), *FAST, "trainer.max_steps=4", "data.batch_size=8"]
+    ok = run_job(
+        [*common, f"hydra.run.dir={tmp_path / 'ok'}", "+model.factory._target_=train_fixtures.make_net"],
+        cwd=tmp_path,
+        PYTHONPATH=str(SCRIPT.parents[1] / "tests"),
+    )
+    assert ok.returncode == 0
+    bad = run_job(
+        [*common, f"hydra.run.dir={tmp_path / 'bad'}", "+model.factory._target_=torch.nn.Linear",
+         "+model.factory.in_feature=3"],
+        cwd=tmp_path,
+    )
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines() == [
+        "Error: model.factory.in_feature: not a parameter of torch.nn.Linear (it takes: bias, device, dtype, "
+        "in_features, out_features)"
+    ]
+    assert not (tmp_path / "bad").exists()  # refused before Hydra made the run directory
+
+
+def test_resnet18_on_fake_data(tmp_path):
+    pytest.importorskip("torchvision", exc_type=ImportError)
+    proc = run_job(
+        [sys.executable, str(SCRIPT), "model=resnet18", "data=fake", "trainer.max_steps=4", *FAST,
+         "data.image_size=16", "data.train.size=64", "data.test.size=32", f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert proc.returncode == 0
