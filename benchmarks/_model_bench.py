@@ -43,25 +43,46 @@ def conv_net() -> nn.Sequential:
 
 def _add_bn_collectives(net: nn.Module) -> None:
     """Give every local BN the two all-reduces a synced one needs (one in forward, one in backward)."""
-    payload = torch.zeros(payload_size(CHANNELS), dtype=torch.float64, device=device())
 
-    def all_reduce(*_) -> None:
-        dist.all_reduce(payload)
+    payloads: dict[int, torch.Tensor] = {}
 
     def after_forward(module, inputs, output) -> None:
-        all_reduce()
+        width = module.num_features
+        if width not in payloads:
+            payloads[width] = torch.zeros(payload_size(width), dtype=torch.float64, device=device())
+        payload = payloads[width]
+        dist.all_reduce(payload)
         if output.requires_grad:
-            output.register_hook(all_reduce)
+            output.register_hook(lambda _: dist.all_reduce(payload))
 
     for module in net.modules():
         if isinstance(module, nn.BatchNorm2d):
             module.register_forward_hook(after_forward)
 
 
-def _trainer(kind: str) -> Callable[[], None]:
+def _fake_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of torchvision's FakeData (3x32x32 images, 10 classes), different on every rank."""
+    from torchvision.datasets import FakeData
+    from torchvision.transforms import ToTensor
+
+    data = FakeData(BATCH, (3, SIZE, SIZE), CLASSES, ToTensor(), random_offset=BATCH * dist.get_rank())
+    images, labels = zip(*(data[i] for i in range(BATCH)), strict=True)
+    return torch.stack(images), torch.tensor(labels)
+
+
+def _resnet18() -> nn.Module:
+    from torchvision.models import resnet18
+
+    torch.manual_seed(0)
+    return resnet18(num_classes=CLASSES)
+
+
+def _trainer(
+    kind: str, build: Callable[[], nn.Module] = conv_net, fake_data: bool = False
+) -> Callable[[], None]:
     """One training step (zero_grad, forward, loss, backward, SGD step) of the net with ``kind`` of BN."""
     dev = device()
-    net = conv_net()
+    net = build()
     if kind in ("sync", "sync_group"):
         group = dist.new_group(backend="gloo") if kind == "sync_group" else None
         net = distsync.convert_sync_batchnorm(net, process_group=group)
@@ -73,8 +94,11 @@ def _trainer(kind: str) -> Callable[[], None]:
     model = DDP(net.to(dev), **ddp_options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     generator = torch.Generator().manual_seed(1 + dist.get_rank())
-    x = torch.randn(BATCH, 3, SIZE, SIZE, generator=generator).to(dev)
-    y = torch.randint(CLASSES, (BATCH,), generator=generator).to(dev)
+    if fake_data:
+        x, y = (t.to(dev) for t in _fake_batch())
+    else:
+        x = torch.randn(BATCH, 3, SIZE, SIZE, generator=generator).to(dev)
+        y = torch.randint(CLASSES, (BATCH,), generator=generator).to(dev)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -163,4 +187,21 @@ def bench_model(budget: Budget, with_torch_syncbn: bool) -> dict:
         "memory": memory,
         "collectives": _count_collectives(steps["sync"]),
         "times_s": times,
+    }
+
+
+def bench_resnet18(budget: Budget) -> dict | None:
+    """torchvision's ResNet-18 on FakeData: distsync vs local BN vs the model floor (None without it)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # not installed, or a build that does not match this torch
+        return None
+    kinds = ["local_nobcast", "floor", "sync"]
+    steps = {kind: _trainer(kind, _resnet18, fake_data=True) for kind in kinds}
+    times = time_interleaved(steps, budget)
+    return {
+        "median_s": {kind: median(t) for kind, t in times.items()},
+        "ratio_to_floor": {kind: median_ratio(t, times["floor"]) for kind, t in times.items()},
+        "ratio_to_local": {kind: median_ratio(t, times["local_nobcast"]) for kind, t in times.items()},
+        "bn_layers": sum(isinstance(m, nn.BatchNorm2d) for m in _resnet18().modules()),
     }

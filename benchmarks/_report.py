@@ -114,7 +114,7 @@ def _model_table(model: dict, torch_syncbn: str | None, latency: dict) -> list[s
         f"{coll['bn_layers']} layers; {coll['gloo_all_reduces_per_step']} gloo all_reduces incl. DDP) "
         f"| 2 | {'ok' if coll['per_layer'] == 2 else 'MISSED'} |",
         f"| BN payload bytes per all_reduce | {', '.join(map(str, coll['payload_bytes']))} "
-        f"(= (3C+9) x 8, C={32}) | O(C) | ok |",
+        f"(= (3C+15) x 8 bytes in a power-of-two size class, >= 2 KiB; C={32}) | O(C) | ok |",
         f"| BN on a dedicated group: step {med['sync_group'] * 1e3:.2f} ms | {group:.3f}x the default group "
         f"(quartiles {low:.3f}-{high:.3f}) | keep only if < 1 | {group_verdict} |",
         f"| nn.SyncBatchNorm DDP step | {peer} | | |",
@@ -135,8 +135,27 @@ def table(results: dict) -> str:
         "",
         "Model: DDP training step, 7 conv-BN-ReLU blocks, C=32, 32x32, batch 16 per rank",
         *_model_table(results["model"], results["layers"]["torch_syncbn"], results["allreduce_latency"]),
+        "",
+        *_resnet_table(results.get("resnet18")),
     ]
     return "\n".join(lines)
+
+
+def _resnet_table(resnet: dict | None) -> list[str]:
+    title = "ResNet-18 (torchvision): DDP step on FakeData 3x32x32, batch 16 per rank"
+    if resnet is None:
+        return [f"{title}: skipped, torchvision does not import beside this torch"]
+    med, floor, local = resnet["median_s"], resnet["ratio_to_floor"], resnet["ratio_to_local"]
+    return [
+        title,
+        "| figure | measured |",
+        "|---|---|",
+        f"| local BN (no buffer broadcast) | {med['local_nobcast'] * 1e3:.1f} ms |",
+        f"| floor: local BN + 2 all_reduces per BN ({resnet['bn_layers']} BN layers) | "
+        f"{med['floor'] * 1e3:.1f} ms ({local['floor']:.3f}x local) |",
+        f"| distsync | {med['sync'] * 1e3:.1f} ms: **{floor['sync']:.3f}x the floor**, "
+        f"{local['sync']:.3f}x local |",
+    ]
 
 
 def write(results: dict, out: Path) -> list[Path]:

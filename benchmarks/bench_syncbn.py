@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from _harness import Budget, device, run_world
 from _layer_bench import allreduce_latency, bench_layers, profile_layer
-from _model_bench import CHANNELS, bench_model
+from _model_bench import CHANNELS, bench_model, bench_resnet18
 from _report import table, write
 
 HEADLINE = [(8, 64, 8, 8), (16, 64, 32, 32)]
@@ -58,6 +58,7 @@ def suite(plan: Plan) -> dict:
         "layers": layers,
         "model": bench_model(model_budget, with_torch_syncbn=layers["torch_syncbn"] is None),
         "allreduce_latency": allreduce_latency(CHANNELS),
+        "resnet18": bench_resnet18(model_budget),
     }
     if plan.profile:
         results["profiles"] = {str(shape): profile_layer(shape) for shape in HEADLINE}
