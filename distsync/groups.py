@@ -27,13 +27,15 @@ def create_syncbn_process_group(group_size: int) -> dist.ProcessGroup | None:
         >>> model = distsync.convert_sync_batchnorm(model, process_group=group)
     """
     world_size = dist.get_world_size()
+    if group_size == 0:  # the same as the world size: ranks passing either agree
+        group_size = world_size
     smallest, largest = _extremes(group_size)
     if smallest != largest:  # new_subgroups would hang, or build groups that overlap
         raise ValueError(
             f"create_syncbn_process_group: the ranks disagree on group_size (from {smallest} to {largest}); "
             "every rank must pass the same value"
         )
-    if group_size in (0, world_size):
+    if group_size == world_size:
         return None
     if group_size < 0 or world_size % group_size:
         raise ValueError(f"group_size={group_size} must be a positive divisor of the world size {world_size}")

@@ -68,3 +68,16 @@ def _disagreeing_sizes(rank, world_size):
 def test_ranks_that_disagree_on_the_group_size_all_raise():
     for message in run_world(_disagreeing_sizes, 4):
         assert message is not None and "disagree on group_size (from 2 to 4)" in message
+
+
+def _zero_or_world(rank, world_size):
+    group = distsync.create_syncbn_process_group(0 if rank == 0 else world_size)
+    layer = distsync.DistSyncBatchNorm1d(2, process_group=group, dtype=torch.float64)
+    layer(torch.full((1, 2), float(rank), dtype=torch.float64))  # one value per rank: needs the whole world
+    return group, layer.running_mean.tolist()
+
+
+def test_zero_and_the_world_size_are_the_same_group_size():
+    (group0, mean0), (group1, mean1) = run_world(_zero_or_world, 2)
+    assert group0 is None and group1 is None
+    assert mean0 == mean1 == [0.05, 0.05]  # momentum 0.1 times the global mean 0.5

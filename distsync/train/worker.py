@@ -83,7 +83,10 @@ def run(cfg: TrainConfig, run_dir: str) -> dict:
     lock = None
     try:
         lock = _lock(Path(run_dir))
-        return _Trainer(cfg, Path(run_dir), device, started).fit()
+        summary = _Trainer(cfg, Path(run_dir), device, started).fit()
+        if is_distributed():
+            dist.barrier()  # rank 0 writes the last files after the last collective: nobody tears down before
+        return summary
     finally:
         if lock is not None:
             lock.release()
