@@ -60,3 +60,10 @@ if __name__ == "__main__":
         }
         with open(sys.argv[1], "w") as out:
             json.dump(result, out)
+    # Lightning leaves the process group (and the BN subgroups) to interpreter exit, where gloo's teardown
+    # can abort a rank that exits while another still holds the group: wait, then destroy them in order.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -174,3 +175,12 @@ def test_the_wheel_alone_runs_the_training_job(tmp_path):
     )
     assert proc.returncode == 0
     assert summary(run_dir)["steps"] == 10 and summary(run_dir)["world_size"] == 2
+
+    # A user's own app, copied out of the checkout, finds the wheel's hydra/launcher=torchrun plugin.
+    app = work / "my_app"
+    shutil.copytree(ROOT / "examples" / "hydra_app", app)
+    plugin = ["-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2", "lr=0.05,0.2", "steps=5"]
+    proc = run_job([venv / "bin" / "python", "app.py", *plugin], app)
+    assert proc.returncode == 0
+    jobs = sorted(p.parent for p in (app / "multirun").glob("*/*/*/rank1.json"))
+    assert len(jobs) == 2 and all((job / "rank0.json").exists() for job in jobs)
