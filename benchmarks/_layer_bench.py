@@ -13,7 +13,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from distsync import DistSyncBatchNorm2d
-from distsync._moments import payload_size
+from distsync._identity import payload_size
 from distsync.testing import allocations
 
 Shape = tuple[int, int, int, int]
@@ -147,7 +147,7 @@ def bench_layers(
 
 
 def allreduce_latency(channels: int, calls: int = 400) -> dict:
-    """Quantiles of one all_reduce of a (3C+9) float64 sync payload, back to back on otherwise idle ranks.
+    """Quantiles of one all_reduce of a float64 sync payload (3C+15, size class), back to back on idle ranks.
 
     The slowest rank's time per call. Set against the floor's cost per all_reduce inside a training step,
     it shows how much of that cost is the transport itself.

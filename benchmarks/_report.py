@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from distsync._moments import payload_size
+from distsync._identity import payload_size
 
 LAYER_TARGET, LAYER_GOAL = 1.5, 1.15
 MODEL_TARGET, MODEL_GOAL = 1.25, 1.10
@@ -130,7 +130,8 @@ def table(results: dict) -> str:
         f"{' (--quick)' if meta['quick'] else ''}; machine load (1-min average) before/after: "
         f"{meta['load_avg_1m'][0]} / {meta['load_avg_1m'][1]}",
         "",
-        "Layer: one BN forward+backward; floor = native nn.BatchNorm2d fwd+bwd + 2 all_reduces of (3C+9) f64",
+        "Layer: one BN forward+backward; floor = native nn.BatchNorm2d fwd+bwd + 2 all_reduces of the "
+        "payload (3C+15 f64, size class)",
         *_layer_table(results["layers"]),
         "",
         "Model: DDP training step, 7 conv-BN-ReLU blocks, C=32, 32x32, batch 16 per rank",
