@@ -69,7 +69,30 @@ def shard_indices(n: int, rank: int, world_size: int) -> Tensor:
     return torch.arange(rank, n, world_size)
 
 
-class ShardedBatches:
+def _batches_per_epoch(per_rank: int, batch_size: int, world_size: int, total: int) -> int:
+    """Full batches per epoch of a rank's ``per_rank`` samples; refuses a batch larger than them."""
+    if per_rank // batch_size == 0:
+        raise ConfigError(
+            f"data.batch_size must be at most {per_rank} with {world_size} ranks "
+            f"({total} training samples) (got {batch_size})"
+        )
+    return per_rank // batch_size
+
+
+class _Position:
+    """The resumable position ``(epoch, batch)`` of endless per-rank batches."""
+
+    epoch = 0
+    batch = 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+
+
+class ShardedBatches(_Position):
     """Endless per-rank training batches, epoch after epoch, that can resume mid-epoch.
 
     A :class:`DistributedSampler` (shuffled with ``seed``, ``set_epoch`` every epoch, tail dropped so
@@ -97,20 +120,8 @@ class ShardedBatches:
             drop_last=True,
         )
         self.batch_size = batch_size
-        self.batches_per_epoch = len(self.sampler) // batch_size
-        if self.batches_per_epoch == 0:
-            raise ConfigError(
-                f"data.batch_size must be at most {len(self.sampler)} with {world_size} ranks "
-                f"({len(self.labels)} training samples) (got {batch_size})"
-            )
-        self.epoch = 0
-        self.batch = 0
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch": self.batch}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+        per_rank, total = len(self.sampler), len(self.labels)
+        self.batches_per_epoch = _batches_per_epoch(per_rank, batch_size, world_size, total)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         while True:
@@ -141,7 +152,7 @@ class _ResumableSampler(Sampler[int]):
         return len(self.sampler) - self.start
 
 
-class LoaderBatches:
+class LoaderBatches(_Position):
     """:class:`ShardedBatches` for a map-style dataset: batches from a ``DataLoader`` (``num_workers``
     processes) over this rank's share, resumable mid-epoch at the same position.
 
@@ -168,12 +179,7 @@ class LoaderBatches:
         sampler = DistributedSampler(
             dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
         )
-        self.batches_per_epoch = len(sampler) // batch_size
-        if self.batches_per_epoch == 0:
-            raise ConfigError(
-                f"data.batch_size must be at most {len(sampler)} with {world_size} ranks "
-                f"({len(dataset)} training samples) (got {batch_size})"
-            )
+        self.batches_per_epoch = _batches_per_epoch(len(sampler), batch_size, world_size, len(dataset))
         self.sampler = _ResumableSampler(sampler)
         self.loader = DataLoader(
             dataset,
@@ -184,14 +190,6 @@ class LoaderBatches:
             drop_last=True,
         )
         self.batch_size = batch_size
-        self.epoch = 0
-        self.batch = 0
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch": self.batch}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         while True:
