@@ -96,9 +96,9 @@ def launch(
             to the allocation's first host, port 29500. Default: ``""``
         rdzv_id: the job's id, the same on every node; under SLURM the job id. Default: ``""``
         rdzv_conf: extra rendezvous settings (``{"timeout": 900}`` by default with several nodes)
-        standalone: one node meeting at ``localhost`` on a free port under a fresh id, as
-            ``torchrun --standalone``; so concurrent jobs never collide. Default: with ``nnodes == 1``
-            and no ``rdzv_endpoint``
+        standalone: one node meeting at ``localhost`` on a free port (under a fresh id unless
+            ``rdzv_id`` is given), as ``torchrun --standalone``; so concurrent jobs never collide.
+            Default: with ``nnodes == 1`` and no ``rdzv_endpoint``
         max_restarts: times the whole world is restarted after a worker fails. Default: 0
         monitor_interval: seconds between the agent's checks of its workers. Default: 0.1
         start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"``. Default: ``"spawn"``
@@ -129,7 +129,7 @@ def launch(
     if standalone:
         if max_nodes != 1:
             raise ValueError(f"standalone=True runs one node, got nnodes={nnodes!r}")
-        rdzv_backend, rdzv_endpoint, rdzv_id = "c10d", "localhost:0", uuid.uuid4().hex
+        rdzv_backend, rdzv_endpoint, rdzv_id = "c10d", "localhost:0", rdzv_id or uuid.uuid4().hex
     else:
         rdzv_endpoint, rdzv_id = _rendezvous(rdzv_endpoint, rdzv_id, max_nodes)
     if rdzv_conf is None:
