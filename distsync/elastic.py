@@ -11,6 +11,8 @@ This module imports Hydra and OmegaConf only when it is handed a ``DictConfig`` 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import copy
 import importlib
 import inspect
@@ -20,11 +22,13 @@ import pickle
 import socket
 import subprocess
 import sys
+import traceback
 import uuid
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, TypeVar
 
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 __all__ = ["LaunchError", "launch", "under_elastic_agent"]
 
@@ -337,17 +341,41 @@ def _log_to_files(log_dir: str, rank: int) -> None:
         root.addHandler(console)
 
 
-@record
 def _run_rank(fn: Any, cfg: Any, state: _HydraState) -> tuple[int, Any]:
-    """The entry point of every worker: restore Hydra's state, set up logging, run ``fn(cfg)``."""
+    """The entry point of every worker: restore Hydra's state, set up logging, run ``fn(cfg)``.
+
+    The worker then ends without tearing its interpreter down (:func:`_end_without_teardown`).
+    """
     from distsync.train.lifeline import die_with_parent
 
     die_with_parent()  # an agent that is SIGKILLed cannot stop its workers
-    rank = int(os.environ.get("RANK", "0"))
-    state.restore()
-    if state.log_dir is not None:
-        _log_to_files(state.log_dir, rank)
-    if isinstance(fn, _FunctionRef | _Cloudpickled):
-        fn = fn.resolve()
-    return rank, fn(cfg)
+    try:
+        rank = int(os.environ.get("RANK", "0"))
+        state.restore()
+        if state.log_dir is not None:
+            _log_to_files(state.log_dir, rank)
+        if isinstance(fn, _FunctionRef | _Cloudpickled):
+            fn = fn.resolve()
+        result = rank, fn(cfg)
+        ForkingPickler.dumps(result)  # the agent's queue pickles it after this returns: fail here instead
+    except Exception as error:
+        get_error_handler().record_exception(error)  # what the agent reports as the rank's failure
+        traceback.print_exc()
+        _end_without_teardown(1)
+    atexit.register(_end_without_teardown, 0)  # runs once the agent has read the result
+    return result
 
+
+def _end_without_teardown(exit_code: int) -> None:
+    """Flush the logs and end the process, skipping the interpreter's teardown.
+
+    A gloo process group whose last reference goes away while one of its threads still destroys a
+    collective issued in backward deadlocks: the group joins that thread holding the GIL, the thread waits
+    for the GIL (see pytorch/pytorch#190489). That last reference is often dropped late: by a traceback's
+    frames, or by module teardown at exit. Nothing is left to do in a worker at this point.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(exit_code)

@@ -32,15 +32,15 @@ class Model(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-if __name__ == "__main__":
-    GROUP_SIZE = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+def fit(group_size: int) -> tuple[int, dict]:
+    """Fit on this rank; return the global rank and what rank 0 reports."""
     model = Model()
     trainer = pl.Trainer(
         strategy="ddp",
         accelerator="cpu",
         devices=2,
         sync_batchnorm=True,
-        plugins=[DistSyncBatchNormPlugin(group_size=GROUP_SIZE)],
+        plugins=[DistSyncBatchNormPlugin(group_size=group_size)],
         max_steps=1,
         logger=False,
         enable_checkpointing=False,
@@ -48,22 +48,30 @@ if __name__ == "__main__":
         enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(TensorDataset(DATA), batch_size=4))
-    if trainer.global_rank == 0:
-        result = {
-            "layer_during_fit": model.seen,
-            "layer_after_fit": type(model.bn).__name__,
-            "running_mean": model.bn.running_mean.tolist(),
-            "running_var": model.bn.running_var.tolist(),
-            # Synchronized: all 8 samples; in groups of 1: the 4 that rank 0 saw.
-            "expected_mean": (model.batch if GROUP_SIZE == 1 else DATA).mean(0).tolist(),
-            "expected_var": (model.batch if GROUP_SIZE == 1 else DATA).var(0).tolist(),
-        }
+    return trainer.global_rank, {
+        "layer_during_fit": model.seen,
+        "layer_after_fit": type(model.bn).__name__,
+        "running_mean": model.bn.running_mean.tolist(),
+        "running_var": model.bn.running_var.tolist(),
+        # Synchronized: all 8 samples; in groups of 1: the 4 that rank 0 saw.
+        "expected_mean": (model.batch if group_size == 1 else DATA).mean(0).tolist(),
+        "expected_var": (model.batch if group_size == 1 else DATA).var(0).tolist(),
+    }
+
+
+if __name__ == "__main__":
+    rank, result = fit(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
+    if rank == 0:
         with open(sys.argv[1], "w") as out:
             json.dump(result, out)
     # Lightning leaves the process group (and the BN subgroups) to interpreter exit, where gloo's teardown
-    # can abort a rank that exits while another still holds the group: wait, then destroy them in order.
+    # can abort a rank that exits while another still holds the group, or deadlock when DDP frees it last:
+    # once the DDP model is gone (fit returned), wait, then destroy the groups.
+    import gc
+
     import torch.distributed as dist
 
+    gc.collect()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

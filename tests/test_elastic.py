@@ -40,6 +40,18 @@ def test_a_failing_worker_raises_launch_error_naming_it(monkeypatch):
     assert list(caught.value.failures) == [1]
 
 
+@pytest.mark.parametrize(
+    ("fn", "expected"), [("keep_until_exit", "result 0"), ("fail_holding", "failed [")]
+)
+def test_workers_end_without_interpreter_teardown(fn, expected):
+    """A worker ends once its result or error is reported: a release that would block in interpreter
+    teardown (a gloo group freed late, pytorch#190489) cannot hang the launch."""
+    code = f"import elastic_fns; elastic_fns.launch_and_print({fn!r})"
+    proc = run_job([sys.executable, "-c", code], cwd=Path(__file__).parent, timeout=120)
+    assert proc.returncode == 0
+    assert proc.stdout.strip().splitlines()[-1].startswith(expected)
+
+
 def test_bad_options_are_refused_before_any_worker_starts():
     with pytest.raises(ValueError, match="nnodes must be N or MIN:MAX"):
         distsync.launch(rank_and_config, None, nnodes="two")

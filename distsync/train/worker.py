@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import gc
 import inspect
 import math
 import os
@@ -84,14 +85,16 @@ def run(cfg: TrainConfig, run_dir: str) -> dict:
     try:
         lock = _lock(Path(run_dir))
         summary = _Trainer(cfg, Path(run_dir), device, started).fit()
-        if is_distributed():
-            dist.barrier()  # rank 0 writes the last files after the last collective: nobody tears down before
-        return summary
     finally:
         if lock is not None:
             lock.release()
-        if is_distributed():
-            dist.destroy_process_group()
+    if is_distributed():
+        # The group goes after the DDP model that holds it: a gloo group freed by DDP after
+        # destroy_process_group can deadlock in its destructor. After a failure it dies with the process.
+        gc.collect()
+        dist.barrier()  # rank 0 writes the last files after the last collective: nobody tears down before
+        dist.destroy_process_group()
+    return summary
 
 
 def _lock(run_dir: Path) -> RunDirLock | None:

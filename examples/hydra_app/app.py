@@ -49,11 +49,19 @@ def train(cfg: DictConfig) -> float:
     """One rank's training; returns the held-out accuracy (the same on every rank)."""
     device = distsync.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    run_dir = HydraConfig.get().runtime.output_dir
-    _record(cfg, run_dir, rank)
+    _record(cfg, HydraConfig.get().runtime.output_dir, rank)
     if rank == cfg.fail_on_rank:
         raise RuntimeError(f"rank {rank} fails on purpose (fail_on_rank={cfg.fail_on_rank})")
+    accuracy = fit(cfg, device, rank, world)
+    # The DDP model, which holds the process group, is gone now: the group goes last (a gloo group freed
+    # by DDP after destroy_process_group can deadlock in its destructor).
+    dist.barrier()  # nobody leaves while another rank still needs the group
+    dist.destroy_process_group()
+    return accuracy
 
+
+def fit(cfg: DictConfig, device: torch.device, rank: int, world: int) -> float:
+    """Train the model on this rank's shard under DDP; return its held-out accuracy."""
     inputs, labels = make_data(cfg)
     split = len(labels) * 3 // 4
     train_x, train_y = inputs[:split][rank::world], labels[:split][rank::world]
@@ -76,8 +84,6 @@ def train(cfg: DictConfig) -> float:
         predicted = model(inputs[split:].to(device)).argmax(1).cpu()
     accuracy = (predicted == labels[split:]).float().mean().item()
     log.info(f"held-out accuracy {accuracy:.3f}")
-    dist.barrier()  # nobody leaves while another rank still needs the group
-    dist.destroy_process_group()
     return accuracy
 
 
