@@ -60,7 +60,6 @@ class Counters:
 _prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layers with compiled calls
 
 
-@torch._dynamo.assume_constant_result
 def prepare(layer) -> int:
     """Run at trace time, outside the graph: the size of the layer's group (0: nobody to sync with). Also
     resolves the layer's identity as in eager mode and keeps its tail template on the layer."""
@@ -76,6 +75,11 @@ def prepare(layer) -> int:
     layer._sync_template = (*_template(world_size, first, state.identity), call_modulus(world_size))
     _prepared[layer] = (state.layer_name, world_size)
     return world_size
+
+
+# What torch._dynamo.assume_constant_result(prepare) does (it only sets this flag), without importing dynamo,
+# seconds per process, before anything is compiled; tests/test_compile.py checks that the two agree.
+prepare._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _template(world_size: int, first: bool, identity: int) -> tuple[list[float], list[float]]:

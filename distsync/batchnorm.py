@@ -201,6 +201,8 @@ class DistSyncBatchNorm(_BatchNorm):
         reducer = self._reducer() if self.training else None
         if reducer is None:
             return super().forward(input)
+        if torch.compiler.is_compiling():  # DataParallel replicas under torch.compile: not traced
+            return self._untraced_sync_forward(input, reducer)
         return self._sync_forward(input, reducer)
 
     def _compiled_forward(self, input: Tensor) -> Tensor:
@@ -211,7 +213,6 @@ class DistSyncBatchNorm(_BatchNorm):
             raise ValueError(f"{self._layer_name()}: batch_norm eps must be positive during training")
         return _compiled.sync_batch_norm(self, input)
 
-    @torch.compiler.disable
     def _sync_forward(self, input: Tensor, reducer: Reducer) -> Tensor:
         state = self._sync_state
         if state.identity is None:
@@ -232,6 +233,10 @@ class DistSyncBatchNorm(_BatchNorm):
             state,
             self._input_problem(input),
         )
+
+    # torch.compiler.disable, with dynamo imported at the first call (only ever made while compiling)
+    # rather than when distsync is imported.
+    _untraced_sync_forward = torch._disable_dynamo(_sync_forward)
 
 
 class DistSyncBatchNorm1d(DistSyncBatchNorm):

@@ -86,3 +86,30 @@ def _with_backend(rank, world_size, backend):
     x = torch.randn(3 + rank, 3, 8, 8) + 2
     diff = (compiled(x) - eager(x)).abs().max().item()
     return {"output": diff}, None
+
+
+def test_prepare_is_marked_as_dynamo_marks_a_constant_result():
+    """_compiled marks prepare itself, to spare importing dynamo: the mark must be dynamo's own."""
+    import torch._dynamo
+
+    from distsync import _compiled
+
+    def probe(layer):
+        return 0
+
+    marked = torch._dynamo.assume_constant_result(probe)
+    assert vars(marked) == vars(_compiled.prepare) == {"_dynamo_marked_constant": True}
+
+
+def _trains_without_dynamo(rank, world_size):
+    import sys
+
+    layer = distsync.DistSyncBatchNorm2d(4)
+    layer(torch.randn(3, 4, 2, 2, requires_grad=True)).sum().backward()
+    distsync.check_sync()
+    return "torch._dynamo" in sys.modules
+
+
+def test_eager_training_never_imports_dynamo():
+    """Importing dynamo costs seconds in every rank: only compiling may do it."""
+    assert run_world(_trains_without_dynamo, 2) == [False, False]
