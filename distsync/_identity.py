@@ -28,6 +28,7 @@ selects its tail as a view: no host-to-device copy per call.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import weakref
 from typing import NamedTuple
@@ -59,6 +60,7 @@ def payload_size(num_channels: int) -> int:
     return max(MIN_PAYLOAD, 1 << (3 * num_channels + TAIL - 1).bit_length())
 
 
+@functools.cache
 def call_modulus(world_size: int) -> int:
     """Largest multiple of the table block (at most 2^20) with ``6 (W m)^2 < 2^53``."""
     if world_size > MAX_WORLD_SIZE:

@@ -35,6 +35,12 @@ def per_channel(values: Tensor, ndim: int) -> Tensor:
     return values.view(1, -1, *([1] * (ndim - 2)))
 
 
+def first_sample(input: Tensor) -> Tensor:
+    """The (C,) values of the first position of the first sample, ``input[0, :, 0, ...]``: one view op
+    whatever the layout."""
+    return input.as_strided((input.shape[1],), (input.stride(1),), input.storage_offset())
+
+
 class Local(NamedTuple):
     """This rank's input as it is normalized (``z``), its per-channel mean and biased variance, and the
     per-channel ``origin`` subtracted from the input to get ``z`` (None for none)."""
@@ -139,7 +145,7 @@ class CpuKernels:
             return Local(input, mean, var, None)
         # Any in-batch value is within a few standard deviations of the mean: shift by the first sample's
         # (by 0 where it is not finite, so that an inf stays an inf as in nn.BatchNorm).
-        origin = input[(0, slice(None), *[0] * (input.dim() - 2))].nan_to_num(0.0, 0.0, 0.0)
+        origin = first_sample(input).nan_to_num(0.0, 0.0, 0.0)
         z = input - per_channel(origin, input.dim())
         # sum(z) and sum(z * (input - origin)) = sum(z^2) in one pass: exactly what eval-mode BN backward
         # reduces (7x faster here than batch_norm_update_stats' two passes on the CPU).
@@ -154,15 +160,16 @@ class CpuKernels:
     @staticmethod
     def normalize(local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:
         dtype = stat_dtype(local.z.dtype)
-        mean = rows[0] if local.origin is None else rows[0] - local.origin
-        var = rows[1].clamp_min(eps) if clip else rows[1]
+        global_mean, biased, unbiased = rows.unbind()
+        mean = global_mean if local.origin is None else global_mean - local.origin
+        var = biased.clamp_min(eps) if clip else biased
         mean, var = torch.stack([mean, var]).to(dtype).unbind()
         eps_used = 0.0 if clip else eps
         output = torch.batch_norm(
             local.z, _as(weight, dtype), _as(bias, dtype), mean, var, False, 0.0, eps_used, False
         )
-        kept = ((rows[1] >= eps).to(dtype),) if clip else ()
-        return Normalized(output, (mean, var, *kept), (rows[0], rows[2]), eps_used)
+        kept = ((biased >= eps).to(dtype),) if clip else ()
+        return Normalized(output, (mean, var, *kept), (global_mean, unbiased), eps_used)
 
     @staticmethod
     def backward_sums(dy: Tensor, z: Tensor, saved, weight, need_weight: bool, need_bias: bool, eps: float):
@@ -181,7 +188,7 @@ class CpuKernels:
         mean, var = saved[:2]
         scale = (var + eps).rsqrt()
         if weight is not None:
-            scale = scale * weight.to(scale.dtype)
+            scale = scale * _as(weight, scale.dtype)
         coefficients = (reduced / -count).to(scale.dtype) * scale
         if len(saved) > 2:  # clipped variance: no gradient through it in clipped channels
             coefficients[1].mul_(saved[2])
@@ -227,7 +234,7 @@ class GenericKernels:
         if input.dtype in _HALF:  # no shift: the merge is around zero for half inputs (see functional)
             var, mean = torch.var_mean(input.float(), dims, correction=0)
             return Local(input, mean, var, None)
-        origin = input[(0, slice(None), *[0] * (input.dim() - 2))].nan_to_num(0.0, 0.0, 0.0)
+        origin = first_sample(input).nan_to_num(0.0, 0.0, 0.0)
         z = input - per_channel(origin, input.dim())
         var, mean = torch.var_mean(z, dims, correction=0)
         return Local(z, mean, var, origin)

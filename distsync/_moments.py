@@ -90,13 +90,15 @@ def merge(payload: Tensor, num_channels: int, scratch: dict) -> Stats:
     c = num_channels
     at = payload.numel() - TAIL + COUNT
     count = payload[at : at + 1]
-    first, seconds = payload[:c], payload[c : 3 * c].view(2, c)
-    seconds.addcmul_(first, first / count, value=-1).clamp_min_(0.0)  # sum of squared deviations
+    sums = payload[: 3 * c].view(3, c)
+    first = sums[0]
+    sums[1:].addcmul_(first, first / count, value=-1).clamp_min_(0.0)  # sums of squared deviations
     key = ("den", payload.device)
     den = scratch.get(key)  # [0, 0, 1]: subtracted from the count to divide by (N, N, N - 1)
     if den is None:  # built on the device: no host-to-device copy
-        den = scratch[key] = torch.arange(3, dtype=torch.float64, device=payload.device).sub_(1).clamp_(0)
-    rows = payload[: 3 * c].view(3, c) / (count - den).unsqueeze(1)
+        den = torch.arange(3, dtype=torch.float64, device=payload.device).sub_(1).clamp_(0).view(3, 1)
+        scratch[key] = den
+    rows = sums / (count - den)
     return Stats(rows, count)
 
 
@@ -120,18 +122,19 @@ REFINE_DIGITS = 2.4  # (mean - K)^2 > 2^8 (var + eps)
 _REFINE = 2.0**8
 
 
-def costs_accuracy(rows: Tensor, eps: float) -> Tensor:
-    """Whether some channel's merge (``rows`` from :func:`merge`, mean relative to K) lost more than
-    ``REFINE_DIGITS`` digits of the variance it is normalized by (a 0-dim bool tensor; NaN never counts)."""
-    return torch.addcmul(rows[1], rows[0], rows[0], value=-1 / _REFINE).lt_(-eps).any()
+def costs_accuracy(mean: Tensor, var: Tensor, eps: float) -> Tensor:
+    """Whether some channel's merge (``mean`` relative to K and biased ``var`` from :func:`merge`) lost more
+    than ``REFINE_DIGITS`` digits of the variance it is normalized by (a 0-dim bool tensor; NaN never
+    counts)."""
+    return torch.addcmul(var, mean, mean, value=-1 / _REFINE).lt_(-eps).any()
 
 
-def update_shift(state, rows: Tensor) -> None:
-    """Move ``state.shift`` (K) to this call's global mean ``rows[0]`` where the rules above allow it.
+def update_shift(state, mean: Tensor, var: Tensor) -> None:
+    """Move ``state.shift`` (K) to this call's global ``mean`` where the rules above allow it.
 
-    ``state.shift_ref`` holds ``SHIFT_JUMP`` times the variance of the last call with a finite one.
+    ``state.shift_ref`` holds ``SHIFT_JUMP`` times the biased variance ``var`` of the last call with a
+    finite one.
     """
-    mean, var = rows[0], rows[1]
     if state.shift is None:
         state.shift = torch.zeros_like(mean)
         state.shift_ref = torch.full_like(var, float("inf"))
@@ -173,6 +176,8 @@ class Verdict(NamedTuple):
 def verdict(tail: list[float], world_size: int) -> Verdict:
     """What the reduced ``tail`` says about its call (host values, identical on every rank)."""
     ident, squares = tail[IDENTITY], tail[SQUARES]
+    if all(s * s == world_size * sq for s, sq in zip(ident, squares, strict=True)):
+        return Verdict(int(tail[COUNT]), int(tail[FAILED]), ())
     names = {DIRECTION: "direction", CALL: "call count"}
     disagreeing = tuple(
         dict.fromkeys(  # the layer's digits are reported once

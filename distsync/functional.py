@@ -8,7 +8,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _health, _moments
 from ._identity import BACKWARD, COUNT, FORWARD, CallTag, SyncState, failed_row
-from ._kernels import kernels_for
+from ._kernels import _as, kernels_for
 from ._transport import Reducer
 from .errors import SyncError
 
@@ -26,25 +26,51 @@ def _all_reduce(reducer: Reducer, payload: Tensor, tag: CallTag) -> None:
 
 def _check(
     payload: Tensor, tag: CallTag, reducer: Reducer, problem: str | None, training: bool, kernels
-) -> None:
-    """Raise now on the CPU, where the reduced values cost nothing to read; elsewhere (and under
-    ``torch.compile``, which must not read them) defer the check to ``_health``."""
+) -> _moments.Verdict | None:
+    """Raise now on the CPU, where the reduced values cost nothing to read, and return the (healthy)
+    verdict; elsewhere (and under ``torch.compile``, which must not read them) defer the check to
+    ``_health`` and return None."""
     tail = payload[payload.numel() - _moments.TAIL :]
     world_size = reducer.world_size
     if not (kernels.deferred or torch.compiler.is_compiling()):
-        _moments.raise_for(_moments.verdict(tail.tolist(), world_size), tag, world_size, problem, training)
-        return
+        verdict = _moments.verdict(tail.tolist(), world_size)
+        _moments.raise_for(verdict, tag, world_size, problem, training)
+        return verdict
     if problem is not None:  # this rank knows already; the others learn it from the reduced flag
         raise ValueError(problem)
     _health.defer(tail, tag, world_size, training, getattr(reducer, "timeout", None))
+    return None
+
+
+def _update_running_stats_read(buffers, momentum: float | None, ends, global_count: int) -> None:
+    """Move the running statistics towards this call's, whose verdict was read on the host (and is
+    healthy: a bad call raised), as ``nn.BatchNorm`` does: by ``momentum`` or ``1 / num_batches_tracked``."""
+    running_mean, running_var, num_batches_tracked = buffers
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(1)
+    if global_count == 0:  # an empty global batch: no statistics (0 / 0), keep the old ones
+        return
+    weight = momentum if momentum is not None else 1.0 / float(num_batches_tracked)
+    dtype = _buffer_math_dtype(running_mean)
+    for buffer, end in ((running_mean, ends[0]), (running_var, ends[1])):
+        end = end.to(dtype)
+        if buffer.dtype == dtype:
+            buffer.lerp_(end, weight)
+        else:  # half buffers: update in float32
+            buffer.copy_(torch.lerp(buffer.to(dtype), end, weight))
+
+
+def _buffer_math_dtype(buffer: Tensor) -> torch.dtype:
+    return torch.float32 if buffer.dtype in (torch.float16, torch.bfloat16) else buffer.dtype
 
 
 def _update_running_stats(
     state: SyncState, buffers, momentum, payload: Tensor, ends, guard_count: bool
 ) -> None:
-    """Move the running statistics towards this call's, by a weight that is 0 for a bad call."""
+    """Move the running statistics towards this call's, by a weight that is 0 for a bad call (decided
+    on the device, from reduced values: the verdict is not read yet)."""
     running_mean, running_var, num_batches_tracked = buffers
-    dtype = torch.float32 if running_mean.dtype in (torch.float16, torch.bfloat16) else running_mean.dtype
+    dtype = _buffer_math_dtype(running_mean)
     key = ("weight", running_mean.device, dtype)
     weight = state.scratch.get(key)
     if weight is None:
@@ -102,26 +128,31 @@ class SyncBatchNormFunction(torch.autograd.Function):
         shift = state.shift if keeps_shift else None
         payload = _pack(local, shift, count, row, num_features, problem)
         _all_reduce(reducer, payload, tag)
-        _check(payload, tag, reducer, problem, True, kernels)
+        verdict = _check(payload, tag, reducer, problem, True, kernels)
         stats = _moments.merge(payload, num_features, state.scratch)
-        if keeps_shift and _shift_costs_accuracy(stats.rows, eps, input.device, kernels.deferred):
+        mean, biased, unbiased = stats.rows.unbind()  # mean - shift, biased and unbiased variance (float64)
+        if keeps_shift and _shift_costs_accuracy(mean, biased, eps, input.device, kernels.deferred):
             # Rare, CPU only, decided from reduced values on every rank: merge again around this mean.
-            shift = stats.rows[0] if shift is None else stats.rows[0] + shift
+            shift = mean if shift is None else mean + shift
             shift = torch.where(shift.isfinite(), shift, 0.0)
             payload = _pack(local, shift, count, row, num_features, None)
             _all_reduce(reducer, payload, tag)
-            _check(payload, tag, reducer, None, True, kernels)
+            verdict = _check(payload, tag, reducer, None, True, kernels)
             stats = _moments.merge(payload, num_features, state.scratch)
-        rows = stats.rows  # mean - shift, biased and unbiased variance (float64)
+            mean, biased, unbiased = stats.rows.unbind()
+        rows = stats.rows
         if shift is not None:
-            rows[0].add_(shift)
+            mean.add_(shift)  # rows[0] too: now the global mean itself
         if keeps_shift:
-            _moments.update_shift(state, rows)
+            _moments.update_shift(state, mean, biased)
         normalized = None if local is None else kernels.normalize(local, weight, bias, rows, eps, clip)
         if running_mean is not None and running_var is not None:
-            ends = (rows[0], rows[2]) if normalized is None else normalized.running
+            ends = (mean, unbiased) if normalized is None else normalized.running
             buffers = (running_mean, running_var, num_batches_tracked)
-            _update_running_stats(state, buffers, momentum, payload, ends, guard_count=count <= 1)
+            if verdict is not None:
+                _update_running_stats_read(buffers, momentum, ends, verdict.count)
+            else:
+                _update_running_stats(state, buffers, momentum, payload, ends, guard_count=count <= 1)
         ctx.param_dtype = None if weight is None else weight.dtype
         ctx.num_features = num_features
         ctx.reducer, ctx.state, ctx.kernels = reducer, state, kernels
@@ -155,8 +186,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if need_input:
             reduced = _sync_backward(ctx, first, second)
             grad_input = kernels.grad_input(dy, z, saved, weight, reduced, count, ctx.eps)
-        grad_weight = grad_weight.to(ctx.param_dtype) if need_weight else None
-        grad_bias = grad_bias.to(ctx.param_dtype) if need_bias else None
+        grad_weight = _as(grad_weight, ctx.param_dtype) if need_weight else None
+        grad_bias = _as(grad_bias, ctx.param_dtype) if need_bias else None
         return grad_input, grad_weight, grad_bias, *nones
 
 
@@ -197,10 +228,12 @@ def _base(shift: Tensor | None, local) -> Tensor | None:
     return -origin if shift is None else shift - origin
 
 
-def _shift_costs_accuracy(rows: Tensor, eps: float, device: torch.device, deferred: bool = False) -> bool:
+def _shift_costs_accuracy(
+    mean: Tensor, var: Tensor, eps: float, device: torch.device, deferred: bool = False
+) -> bool:
     """Whether the merge lost more than ``_moments.REFINE_DIGITS`` digits (read on the CPU only, where it is
     free, and only where verdicts are read at the call; a device keeps to one all-reduce and relies on the
     shift's health rules)."""
     if device.type != "cpu" or deferred or torch.compiler.is_compiling():
         return False
-    return bool(_moments.costs_accuracy(rows, eps).item())
+    return bool(_moments.costs_accuracy(mean, var, eps).item())

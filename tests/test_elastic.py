@@ -40,9 +40,7 @@ def test_a_failing_worker_raises_launch_error_naming_it(monkeypatch):
     assert list(caught.value.failures) == [1]
 
 
-@pytest.mark.parametrize(
-    ("fn", "expected"), [("keep_until_exit", "result 0"), ("fail_holding", "failed [")]
-)
+@pytest.mark.parametrize(("fn", "expected"), [("keep_until_exit", "result 0"), ("fail_holding", "failed [")])
 def test_workers_end_without_interpreter_teardown(fn, expected):
     """A worker ends once its result or error is reported: a release that would block in interpreter
     teardown (a gloo group freed late, pytorch#190489) cannot hang the launch."""
@@ -119,7 +117,11 @@ def test_example_sweep_through_the_plugin(app):
 @pytest.mark.slow
 def test_example_optuna_sweep_gets_rank_zeros_value(app):
     proc = _run_app(
-        app, "-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.direction=maximize",
+        app,
+        "-m",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.direction=maximize",
         "lr=interval(0.01,0.3)",
     )
     assert proc.returncode == 0

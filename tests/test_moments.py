@@ -151,7 +151,7 @@ def test_shift_rules_without_a_world():
     state = SyncState()
 
     def call(mean, var):
-        update_shift(state, torch.tensor([[mean], [var]], dtype=torch.float64))
+        update_shift(state, *torch.tensor([[mean], [var]], dtype=torch.float64))
         return state.shift.item()
 
     assert call(5.0, 1.0) == 5.0
@@ -179,6 +179,6 @@ def test_shift_rules_never_read_device_values():
     state = SyncState()
     rows = torch.empty(3, 4, dtype=torch.float64, device="meta")
     for _ in range(2):
-        update_shift(state, rows)
+        update_shift(state, rows[0], rows[1])
     assert state.shift.device.type == "meta" and state.shift_ref.device.type == "meta"
-    assert not _shift_costs_accuracy(rows, 1e-5, rows.device)
+    assert not _shift_costs_accuracy(rows[0], rows[1], 1e-5, rows.device)

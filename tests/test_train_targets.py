@@ -98,8 +98,12 @@ def test_command_line_targets_train_or_fail_in_one_line(tmp_path):
     )
     assert ok.returncode == 0
     bad = run_job(
-        [*common, f"hydra.run.dir={tmp_path / 'bad'}", "+model.factory._target_=torch.nn.Linear",
-         "+model.factory.in_feature=3"],
+        [
+            *common,
+            f"hydra.run.dir={tmp_path / 'bad'}",
+            "+model.factory._target_=torch.nn.Linear",
+            "+model.factory.in_feature=3",
+        ],
         cwd=tmp_path,
     )
     assert bad.returncode == 1
@@ -113,8 +117,18 @@ def test_command_line_targets_train_or_fail_in_one_line(tmp_path):
 def test_resnet18_on_fake_data(tmp_path):
     pytest.importorskip("torchvision", exc_type=ImportError)
     proc = run_job(
-        [sys.executable, str(SCRIPT), "model=resnet18", "data=fake", "trainer.max_steps=4", *FAST,
-         "data.image_size=16", "data.train.size=64", "data.test.size=32", f"hydra.run.dir={tmp_path}"],
+        [
+            sys.executable,
+            str(SCRIPT),
+            "model=resnet18",
+            "data=fake",
+            "trainer.max_steps=4",
+            *FAST,
+            "data.image_size=16",
+            "data.train.size=64",
+            "data.test.size=32",
+            f"hydra.run.dir={tmp_path}",
+        ],
         cwd=tmp_path,
         timeout=300,
     )
