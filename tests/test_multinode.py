@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -15,7 +16,9 @@ from launching import FAST, SCRIPT, job_env
 from distsync.testing import free_port
 
 
-def _run_nodes(args: list[str], cwd: Path, nodes: int, timeout: float) -> list[tuple[int | None, str, str]]:
+def _run_nodes(
+    args: list[str], cwd: Path, nodes: int, timeout: float, env: dict[str, str] | None = None
+) -> list[tuple[int | None, str, str]]:
     """Run ``nodes`` copies of the command at once; (returncode, stdout, stderr) of each, in order.
 
     Output goes to files, so that no node blocks on a full pipe while the test waits for another one. If the
@@ -25,7 +28,7 @@ def _run_nodes(args: list[str], cwd: Path, nodes: int, timeout: float) -> list[t
     for node in range(nodes):
         out, err = cwd / f"node{node}.out", cwd / f"node{node}.err"
         with out.open("w") as stdout, err.open("w") as stderr:
-            procs.append(subprocess.Popen(args, cwd=cwd, env=job_env(), stdout=stdout, stderr=stderr))
+            procs.append(subprocess.Popen(args, cwd=cwd, env=env or job_env(), stdout=stdout, stderr=stderr))
         files.append((out, err))
     deadline = time.monotonic() + timeout
     try:
@@ -62,7 +65,9 @@ def test_two_agents_on_one_machine_form_one_world(tmp_path):
         "trainer.max_steps=20",
         *FAST,
     ]
-    results = _run_nodes(args, tmp_path, nodes=2, timeout=240)
+    env = job_env()
+    del env["OMP_NUM_THREADS"]  # the job decides the threads
+    results = _run_nodes(args, tmp_path, nodes=2, timeout=240, env=env)
     busy = [stderr for _, _, stderr in results if "is in use" in stderr]
     assert not busy, f"the nodes of one job must share the run directory: {busy[0][-500:]}"
     assert [code for code, _, _ in results] == [0, 0]
@@ -70,6 +75,7 @@ def test_two_agents_on_one_machine_form_one_world(tmp_path):
     assert s["world_size"] == 2 and s["steps"] == 20
     assert s["bn_buffers_in_sync"] is True
     assert s["restarts"] == 0
+    assert s["cpu_threads"] == max(1, (os.cpu_count() or 1) // 2)  # 2 ranks on this machine, 2 agents
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["kind"] == "train"] == [5, 10, 15, 20]  # written once, by rank 0

@@ -99,6 +99,13 @@ def test_rerun_of_a_finished_run_adds_no_rows(tmp_path):
     assert _rows(tmp_path) == rows
     assert rows == [("train", 5), ("train", 10), ("eval", 10), ("train", 15), ("train", 20), ("eval", 20)]
     assert again["resumed_from_step"] == 20 and again["accuracy"] == first["accuracy"]
+    assert again["final_loss"] == first["final_loss"]  # the last steps' losses come with the checkpoint
+
+
+def test_final_loss_does_not_depend_on_the_logging_interval(tmp_path):
+    every_5 = run(_cfg(log_every=5), str(tmp_path / "a"))
+    every_3 = run(_cfg(log_every=3), str(tmp_path / "b"))
+    assert every_5["final_loss"] == every_3["final_loss"]
 
 
 def test_longer_constant_schedule_run_continues_exactly(tmp_path):

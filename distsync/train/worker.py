@@ -12,6 +12,7 @@ import math
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -75,12 +76,11 @@ def run(cfg: TrainConfig, run_dir: str) -> dict:
     started = time.time()
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     device = distsync.init_distributed(
         cfg.trainer.backend, timeout=datetime.timedelta(seconds=cfg.trainer.timeout_s)
     )
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(cpu_threads_per_rank())
     lock = None
     try:
         lock = _lock(Path(run_dir))
@@ -95,6 +95,24 @@ def run(cfg: TrainConfig, run_dir: str) -> dict:
         dist.barrier()  # rank 0 writes the last files after the last collective: nobody tears down before
         dist.destroy_process_group()
     return summary
+
+
+FINAL_LOSS_STEPS = 10  # summary.json's final_loss: the mean training loss of this many last steps
+
+
+def cpu_threads_per_rank() -> int:
+    """This machine's cores shared among the ranks running on it, however many agents started them.
+
+    torchrun sets ``OMP_NUM_THREADS=1`` only for several workers per agent, so two agents with one worker
+    each on one machine would run twice the threads of one agent with two workers, and sum in another
+    order: counting the ranks per host gives every layout the same threads, and the same results.
+    """
+    cores = os.cpu_count() or 1
+    if not is_distributed():
+        return cores
+    hosts: list[str | None] = [None] * get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    return max(1, cores // hosts.count(socket.gethostname()))
 
 
 def _lock(run_dir: Path) -> RunDirLock | None:
@@ -142,6 +160,8 @@ class _Trainer:
 
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=self.rank == 0)
         self.step, self.last_loss, self.resumed_from = 0, math.nan, None
+        # This rank's training losses of the last FINAL_LOSS_STEPS steps (for final_loss).
+        self.recent_losses = torch.full((FINAL_LOSS_STEPS,), math.nan, dtype=torch.float64, device=device)
         self.first_started = started
         local_states = self._resume()
         self.ddp = self._wrap_ddp()
@@ -230,6 +250,9 @@ class _Trainer:
             )
         self.step = self.resumed_from = int(state["step"])
         self.last_loss = state["last_loss"]
+        if "recent_losses" in state:  # older checkpoints: final_loss from the steps run after resuming
+            recent = torch.tensor(state["recent_losses"], dtype=torch.float64)
+            self.recent_losses.copy_(recent[self.rank] if same_world else recent.mean(0))
         self.first_started = state["started_at"]
         self.metrics.truncate(self.step)
         self.log.info("resumed from %s (step %d, restart %d)", path, self.step, self.restarts)
@@ -265,6 +288,7 @@ class _Trainer:
             self.scheduler.step()
             self.step += 1
             loss_sum += torch.stack([loss.double(), loss.new_ones((), dtype=torch.float64)])
+            self.recent_losses[self.step % FINAL_LOSS_STEPS] = loss.double()  # on the device: no sync
             if bar is not None:
                 bar.update(1)
             if (
@@ -357,8 +381,16 @@ class _Trainer:
         self.log.info("step %d: held-out %s", self.step, ", ".join(f"{k} {v:.4f}" for k, v in row.items()))
         return accuracy, eval_loss, top5
 
+    def _final_loss(self) -> float:
+        """The mean training loss of the last ``FINAL_LOSS_STEPS`` steps over every rank: unlike the logged
+        loss, independent of ``trainer.log_every``."""
+        recent = self.recent_losses.clone()
+        _all_reduce(recent)
+        steps = [s % FINAL_LOSS_STEPS for s in range(max(1, self.step - FINAL_LOSS_STEPS + 1), self.step + 1)]
+        return recent[steps].mean().item() / self.world_size if steps else math.nan
+
     def _checkpoint(self) -> None:
-        mine = {"rng": rng_state()}
+        mine = {"rng": rng_state(), "recent_losses": self.recent_losses.tolist()}
         if self.comm.local_sgd:  # the ranks' models and optimizers differ between averagings
             mine.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
         ranks = _gather_object(mine)
@@ -373,6 +405,7 @@ class _Trainer:
             "rng": [r.pop("rng") for r in ranks],
             "local": ranks if self.comm.local_sgd else None,
             "last_loss": self.last_loss,
+            "recent_losses": [r.pop("recent_losses") for r in ranks],
             "started_at": self.first_started,
             "world_size": self.world_size,
             "config": dataclasses.asdict(self.cfg),
@@ -386,12 +419,13 @@ class _Trainer:
         summary = {
             "world_size": self.world_size,
             "steps": self.step,
-            "final_loss": self.last_loss,
+            "final_loss": self._final_loss(),
             "accuracy": accuracy,
             "accuracy_top5": top5,
             "eval_loss": eval_loss,
             "bn_buffers_in_sync": in_sync,
             "restarts": self.restarts,
+            "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
             "resumed_from_step": self.resumed_from,
             "wall_seconds": round(time.time() - self.first_started, 3),
             "attempt_wall_seconds": round(time.time() - self.started, 3),
