@@ -109,6 +109,7 @@ def test_rerun_with_another_model_is_refused_once_without_restarts(tmp_path):
     # Said once, by the launcher: no world was started, so the agent had nothing to restart.
     assert proc.stderr.count("model.channels: [32, 64, 64] -> [8, 8]") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
+    assert (run_dir / "summary.json").exists()  # the refused job's directory was the earlier run's
 
 
 @pytest.mark.parametrize(
@@ -132,6 +133,22 @@ def test_bad_override_exits_with_a_short_message(tmp_path, override, key):
     assert error.startswith("Error: ") and key in error and rest == [], proc.stderr  # one line
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not (tmp_path / "run").exists()  # refused before Hydra made the run directory
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("trainer.backend=mpi", "trainer.backend must be one of"),
+        ("data.batch_size=100000", "data.batch_size must be at most"),
+        ("trainer.rdzv_endpoint=localhost:abc", "must be an integer"),
+    ],
+)
+def test_a_refusal_after_hydra_made_the_run_dir_leaves_nothing_behind(tmp_path, override, words):
+    proc = run_job([sys.executable, str(SCRIPT), override], tmp_path, timeout=60)
+    assert proc.returncode != 0
+    error, *rest = proc.stderr.splitlines()
+    assert error.startswith("Error: ") and words in error and rest == [], proc.stderr
+    assert not (tmp_path / "outputs").exists()  # Hydra's outputs/<date>/<time>/.hydra, removed
 
 
 def test_a_sweep_value_hydra_cannot_compose_is_refused_before_any_job(tmp_path):

@@ -74,3 +74,22 @@ def test_a_launcher_can_hold_the_lock_for_its_workers(tmp_path, monkeypatch):
         with pytest.raises(RunDirBusy):
             RunDirLock(tmp_path).acquire()
     assert HELD_ENV not in os.environ
+
+
+def test_a_filesystem_without_locks_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """Lustre without -o flock answers flock with ENOSYS: one line naming the way out, no traceback."""
+    import errno
+    import fcntl
+
+    from distsync.train.launcher import launch
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    cfg = TrainConfig(trainer=TrainerConfig(max_steps=5, progress=False))
+    with pytest.raises(SystemExit):
+        launch(cfg, str(tmp_path))
+    err = capsys.readouterr().err
+    assert "without file locks" in err and "-o flock" in err and "Traceback" not in err
+    assert err.strip().count("\n") == 0

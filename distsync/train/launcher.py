@@ -12,15 +12,18 @@ into a plain :class:`~distsync.train.config.TrainConfig` and then either
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import functools
 import itertools
 import logging
 import os
+import shutil
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -31,7 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .config import ConfigError, TrainConfig
 from .resume import check_resume
-from .rundir import RunDirBusy, RunDirLock
+from .rundir import LOCK_NAME, RunDirBusy, RunDirLock
 from .targets import check_targets
 
 __all__ = [
@@ -144,6 +147,32 @@ def prepare_argv(argv: list[str] | None = None) -> None:
         )
     if int(os.environ.get("RANK", "0")) != 0:
         argv.append("hydra.output_subdir=null")
+
+
+def _refuse_early(message: str, error: BaseException) -> None:
+    """Fail a job refused before training: like :func:`_fail`, and a single run leaves no run directory
+    behind if Hydra made it for this job alone (nothing in it but Hydra's record and the lock)."""
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.RUN:
+        _discard_fresh_run_dir(Path(HydraConfig.get().runtime.output_dir))
+    _fail(message, error)
+
+
+_STARTED = time.time()
+
+
+def _discard_fresh_run_dir(run_dir: Path) -> None:
+    try:
+        fresh = run_dir.stat().st_ctime >= _STARTED - 1  # made by this process, not an earlier run's
+        only_record = {p.name for p in run_dir.iterdir()} <= {".hydra", LOCK_NAME}
+    except OSError:
+        return
+    if fresh and only_record:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for parent in run_dir.parents[:2]:  # outputs/<date>, outputs: if made for this run alone
+            with contextlib.suppress(OSError):
+                if parent.stat().st_ctime < _STARTED - 1:
+                    break
+                parent.rmdir()  # only if empty
 
 
 def _refuse(message: str) -> None:
@@ -272,7 +301,7 @@ def hydra_main(cfg: DictConfig) -> float:
         train_cfg = to_train_config(cfg)
         _check_environment(train_cfg)
     except ConfigError as error:
-        _fail(str(error), error)
+        _refuse_early(str(error), error)
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
     if under_torchrun():  # an external torchrun (prepare_argv refused -m there), or hydra/launcher=torchrun
@@ -283,7 +312,7 @@ def hydra_main(cfg: DictConfig) -> float:
         try:
             summary = launch(train_cfg, run_dir)
         except ConfigError as error:  # ResumeError included
-            _fail(str(error), error)
+            _refuse_early(str(error), error)
     return summary[train_cfg.trainer.metric]
 
 
@@ -383,7 +412,7 @@ def launch(cfg: TrainConfig, run_dir: str) -> dict:
     except LaunchError as error:
         _fail(f"training failed after {t.max_restarts} restart(s): {error}", error)
     except ValueError as error:  # a rendezvous setting torchrun cannot use
-        _fail(str(error), error)
+        _refuse_early(str(error), error)
     finally:
         if lock is not None:
             lock.release()

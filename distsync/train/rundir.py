@@ -20,7 +20,7 @@ import os
 import socket
 from pathlib import Path
 
-__all__ = ["RunDirBusy", "RunDirLock", "held_by_launcher"]
+__all__ = ["RunDirBusy", "RunDirLock", "RunDirUnlockable", "held_by_launcher"]
 
 LOCK_NAME = ".lock"
 HELD_ENV = "DISTSYNC_RUN_DIR_LOCKED"
@@ -34,6 +34,13 @@ def held_by_launcher(run_dir: str | os.PathLike) -> bool:
 
 class RunDirBusy(RuntimeError):
     """Another live job holds the run directory's lock."""
+
+
+class RunDirUnlockable(RunDirBusy):
+    """The run directory's filesystem cannot lock files (Lustre without ``-o flock``, some NFS setups)."""
+
+
+_NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL)
 
 
 class RunDirLock:
@@ -64,6 +71,12 @@ class RunDirLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:
             os.close(fd)
+            if error.errno in _NO_LOCKS:
+                raise RunDirUnlockable(
+                    f"run directory {self.run_dir} is on a filesystem without file locks (flock: "
+                    f"{error.strerror}); put runs on a filesystem with locks (hydra.run.dir=..., "
+                    "hydra.sweep.dir=...), or mount it with them (Lustre: -o flock)"
+                ) from None
             if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                 raise
             holder = self._holder() or "another job"
