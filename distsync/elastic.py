@@ -155,6 +155,12 @@ def launch(
     )
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    if max_nodes > 1:  # the rendezvous says nothing while it waits, up to its timeout
+        print(
+            f"waiting for {min_nodes} node(s) at {rdzv_endpoint} (rendezvous {rdzv_id})",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         results = elastic_launch(config, _run_rank)(_portable(fn), hydra_state.cfg, hydra_state)
     except ChildFailedError as error:

@@ -75,6 +75,7 @@ def test_two_agents_on_one_machine_form_one_world(tmp_path):
     assert s["world_size"] == 2 and s["steps"] == 20
     assert s["bn_buffers_in_sync"] is True
     assert s["restarts"] == 0
+    assert all("waiting for 2 node(s) at localhost:" in stderr for _, _, stderr in results)
     assert s["cpu_threads"] == max(1, (os.cpu_count() or 1) // 2)  # 2 ranks on this machine, 2 agents
     assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
