@@ -22,6 +22,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import time
 import traceback
 import uuid
 from collections.abc import Callable
@@ -35,6 +36,7 @@ __all__ = ["LaunchError", "launch", "under_elastic_agent"]
 T = TypeVar("T")
 
 _SLURM_RDZV_PORT = 29500
+_PEER_FAILURE_GRACE_S = 1.0  # a failed worker waits this long before it exits (see _run_rank)
 _MULTI_NODE_RDZV_TIMEOUT_S = 900  # agents of a multi-node job may start minutes apart (SLURM, submitit)
 
 
@@ -367,6 +369,9 @@ def _run_rank(fn: Any, cfg: Any, state: _HydraState) -> tuple[int, Any]:
     except Exception as error:
         get_error_handler().record_exception(error)  # what the agent reports as the rank's failure
         traceback.print_exc()
+        # A rank whose collective failed because a peer died must not be the failure the agent sees
+        # first: the peer's own death (SIGKILL, an exception) is the one worth reporting.
+        time.sleep(_PEER_FAILURE_GRACE_S)
         _end_without_teardown(1)
     atexit.register(_end_without_teardown, 0)  # runs once the agent has read the result
     return result
