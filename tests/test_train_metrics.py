@@ -86,3 +86,26 @@ def test_loss_is_on_a_log_axis_with_markers_when_few_points(tmp_path):
     assert all(float(tick).is_integer() for tick in ax_acc.get_xticks())  # steps
     plot_curves(_rows(8), tmp_path / "curves.png", title="t")
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_panels_share_the_steps_label_the_lowest_loss_and_do_not_zoom_accuracy():
+    rows = [{"kind": "train", "step": s, "loss": 0.9 * 0.7**s} for s in range(1, 21)]
+    rows += [
+        {"kind": "eval", "step": s, "accuracy": a, "eval_loss": 0.2} for s, a in ((10, 0.991), (20, 0.987))
+    ]
+    fig = curves_figure(rows)
+    ax_loss, ax_acc = fig.axes
+    assert ax_loss.get_xlim() == ax_acc.get_xlim()  # one step range for both panels
+    lowest = min(r["loss"] for r in rows if r["kind"] == "train")
+    assert min(_labelled_ticks(fig, ax_loss)) <= lowest  # labelled down to the lowest value plotted
+    few = curves_figure(_rows(8))  # under two decades: a 2 or 5 tick may be the lowest label
+    assert min(_labelled_ticks(few, few.axes[0])) <= 2.0 * 0.8**7
+    bottom, top = ax_acc.get_ylim()
+    assert top - bottom >= 10 and bottom <= 98.7 - 1  # 99.1% -> 98.7% is no cliff
+
+
+def _labelled_ticks(fig, ax) -> list[float]:
+    fig.canvas.draw()
+    low, high = ax.get_ylim()
+    ticks = ax.yaxis.get_majorticklabels() + ax.yaxis.get_minorticklabels()
+    return [float(t.get_text()) for t in ticks if t.get_text() and low <= t.get_position()[1] <= high]

@@ -107,6 +107,16 @@ def plot_curves(rows: list[dict], path: str | os.PathLike, title: str = "") -> N
     plt.close(fig)
 
 
+ACCURACY_SPAN = 10.0
+"""The accuracy panel shows at least this many percentage points."""
+
+
+def _labelled_floor(value: float, mantissas: tuple[int, ...]) -> float:
+    """The largest of ``mantissas`` times a power of ten that is at most ``value`` (> 0)."""
+    decade = 10 ** math.floor(math.log10(value))
+    return max(m * decade for m in mantissas if m * decade <= value * (1 + 1e-12))
+
+
 def _two_and_five(value: float, _position) -> str:
     mantissa = value / 10 ** math.floor(math.log10(value) + 1e-9)
     return f"{value:g}" if round(mantissa, 6) in (2.0, 5.0) else ""
@@ -125,7 +135,7 @@ def curves_figure(rows: list[dict], title: str = ""):
 
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)  # one step range
 
     def plot(ax, steps, values, **kwargs):
         marker = "o" if len(steps) <= _MARKERS_UP_TO else None
@@ -142,13 +152,19 @@ def curves_figure(rows: list[dict], title: str = ""):
         shown = losses + eval_losses
         plain = FuncFormatter(lambda value, _: f"{value:g}")
         ax_loss.yaxis.set_major_formatter(plain)
-        if math.log10(max(shown) / min(shown)) < 2:
+        few_decades = math.log10(max(shown) / min(shown)) < 2
+        if few_decades:
             ax_loss.yaxis.set_minor_formatter(FuncFormatter(_two_and_five))
+        # Down to a labelled tick at or below the lowest loss.
+        ax_loss.set_ylim(bottom=_labelled_floor(min(shown), (1, 2, 5) if few_decades else (1,)))
     ax_loss.set(xlabel="step", ylabel="cross-entropy (log scale)", title="loss")
     ax_loss.legend()
-    plot(ax_acc, *_series(evals, "accuracy", scale=100.0), color="tab:green")
+    acc_steps, accuracies = _series(evals, "accuracy", scale=100.0)
+    plot(ax_acc, acc_steps, accuracies, color="tab:green")
     ax_acc.set(xlabel="step", ylabel="%", title="held-out accuracy")
-    ax_acc.set_ylim(top=min(ax_acc.get_ylim()[1], 100.5))
+    # At least ACCURACY_SPAN points tall: a sample or two of difference must not look like a cliff.
+    lowest = min(accuracies, default=0.0)
+    ax_acc.set_ylim(max(0.0, min(lowest - 1.0, 100.0 - ACCURACY_SPAN)), 100.5)
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3, which="both")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 28.5
