@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import json
 import sys
 
 import pytest
@@ -67,6 +68,14 @@ def test_sweep_runs_one_world_per_job_and_goes_on_past_a_failed_one(tmp_path):
     for job, lr in zip([jobs[0], jobs[2]], ["0.1", "0.05"], strict=True):
         assert summary(job)["steps"] == 10 and summary(job)["world_size"] == 2
         assert f"optim.lr={lr}" in (job / ".hydra" / "overrides.yaml").read_text()
+    # The sweep's summary across its jobs, the failed one included
+    rows = json.loads((sweep / "sweep_summary.json").read_text())["jobs"]
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "done"), ("1", "failed"), ("2", "done")]
+    assert rows[0]["accuracy"] == summary(jobs[0])["accuracy"] and "optim.lr=0.05" in rows[2]["overrides"]
+    table = (sweep / "sweep_summary.md").read_text().splitlines()
+    assert table[0] == "Overrides of every job: " + " ".join(["trainer.max_steps=10", *FAST])
+    assert len(table) == 2 + 2 + 3 and "| 1 | optim.lr=inf | failed |" in table[5]
+    assert (sweep / "sweep_curves.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.slow

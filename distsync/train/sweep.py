@@ -1,0 +1,152 @@
+"""A sweep's summary across its jobs: ``sweep_summary.md`` (and ``.json``) and ``sweep_curves.png``.
+
+Hydra runs :class:`SweepSummary` (a Hydra callback, registered in the job's config) as the jobs of a ``-m``
+sweep end. It reads what each job left in its directory (``summary.json``, ``metrics.jsonl``,
+``.hydra/overrides.yaml``), so it also summarizes jobs that failed (no ``summary.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+
+from .metrics import write_json_atomic, write_text_atomic
+
+__all__ = ["SweepSummary", "summarize_sweep"]
+
+_METRICS = ("final_loss", "accuracy", "accuracy_top5", "eval_loss", "steps", "wall_seconds")
+
+
+class SweepSummary(Callback):
+    """Rewrite the sweep's summary in its directory as each job of a ``-m`` run ends, and at its end.
+
+    After each job, not only at the end: Hydra skips ``on_multirun_end`` when a job failed, and the
+    summary is worth most then.
+    """
+
+    def on_job_end(self, config, job_return, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:
+            summarize_sweep(config.hydra.sweep.dir)
+
+    def on_multirun_end(self, config, **kwargs: Any) -> None:
+        summarize_sweep(config.hydra.sweep.dir)
+
+
+def summarize_sweep(sweep_dir: str | os.PathLike) -> list[dict] | None:
+    """Summarize every job directory under ``sweep_dir``; return the rows (None if it holds no job)."""
+    sweep = Path(sweep_dir)
+    jobs = sorted((path.parent.parent for path in sweep.glob("**/.hydra/overrides.yaml")), key=_job_sort_key)
+    if not jobs:
+        return None
+    rows = [_job_row(sweep, job) for job in jobs]
+    common = set.intersection(*(set(row["overrides"]) for row in rows))
+    swept = [[o for o in row["overrides"] if o not in common] for row in rows]
+    write_json_atomic(sweep / "sweep_summary.json", {"jobs": rows})
+    header = f"Overrides of every job: {' '.join(o for o in rows[0]['overrides'] if o in common) or '-'}\n\n"
+    write_text_atomic(sweep / "sweep_summary.md", header + _table(rows, swept))
+    _plot(sweep, jobs, [" ".join(labels) or row["job"] for labels, row in zip(swept, rows, strict=True)])
+    return rows
+
+
+def _job_sort_key(job: Path) -> tuple:
+    return tuple(int(part) if part.isdigit() else math.inf for part in job.parts), str(job)
+
+
+def _job_row(sweep: Path, job: Path) -> dict:
+    overrides = [
+        line.removeprefix("- ").strip()
+        for line in (job / ".hydra" / "overrides.yaml").read_text().splitlines()
+        if line.startswith("- ")
+    ]
+    row: dict[str, Any] = {"job": str(job.relative_to(sweep)), "overrides": overrides}
+    try:
+        summary = json.loads((job / "summary.json").read_text())
+    except (OSError, ValueError):
+        return row | {"status": "failed"}
+    return row | {"status": "done"} | {key: summary.get(key) for key in _METRICS}
+
+
+def _table(rows: list[dict], swept: list[list[str]]) -> str:
+    lines = [
+        "| job | overrides | status | " + " | ".join(_METRICS) + " |",
+        "|---|---|---|" + "---:|" * len(_METRICS),
+    ]
+    for row, overrides in zip(rows, swept, strict=True):
+        values = [_cell(row.get(key)) for key in _METRICS]
+        lines.append(
+            f"| {row['job']} | {' '.join(overrides) or '-'} | {row['status']} | " + " | ".join(values) + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _plot(sweep: Path, jobs: list[Path], labels: list[str]) -> None:
+    """Each job's training loss and held-out accuracy, one line per job, labelled by its own overrides."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+    for job, label in zip(jobs, labels, strict=True):
+        metrics = _read_metrics(job / "metrics.jsonl")
+        train = [
+            (r["step"], r["loss"]) for r in metrics if r.get("kind") == "train" and _positive(r.get("loss"))
+        ]
+        evals = [
+            (r["step"], 100 * r["accuracy"])
+            for r in metrics
+            if r.get("kind") == "eval" and _finite(r.get("accuracy"))
+        ]
+        if train:
+            ax_loss.plot(*zip(*train, strict=True), label=label)
+        if evals:
+            ax_acc.plot(*zip(*evals, strict=True), marker="o", markersize=3, label=label)
+    ax_loss.set(xlabel="step", ylabel="cross-entropy (log scale)", title="training loss", yscale="log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    ax_loss.yaxis.set_major_formatter(plain)
+    ax_loss.yaxis.set_minor_formatter(plain)
+    ax_acc.set(xlabel="step", ylabel="%", title="held-out accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3, which="both")
+    if any(ax_loss.get_lines()):
+        ax_loss.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(sweep / "sweep_curves.png", dpi=100)
+    plt.close(fig)
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    rows = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return rows
+    for line in lines:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line cut short by a crash
+            continue
+    return rows
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _positive(value: Any) -> bool:
+    return _finite(value) and value > 0
