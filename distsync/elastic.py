@@ -19,6 +19,7 @@ import inspect
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +28,7 @@ import traceback
 import uuid
 from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
@@ -155,6 +156,7 @@ def launch(
         monitor_interval=monitor_interval,
         start_method=start_method,
     )
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     if max_nodes > 1:  # the rendezvous says nothing while it waits, up to its timeout
@@ -167,6 +169,8 @@ def launch(
         results = elastic_launch(config, _run_rank)(_portable(fn), hydra_state.cfg, hydra_state)
     except ChildFailedError as error:
         raise _launch_error(error, max_restarts) from error
+    except SignalException as stopped:
+        _stop_the_caller(stopped.sigval)
     if not results:  # an elastic agent that stopped without running workers
         raise LaunchError("the elastic agent returned no result from any worker")
     _, value = min(results.values(), key=lambda pair: pair[0])
@@ -226,6 +230,14 @@ def slurm_first_host_and_id() -> tuple[str, str]:
             check=True,
         ).stdout.split()
         return nodes[0] if nodes else socket.gethostname(), os.environ["SLURM_JOB_ID"]
+
+
+def _stop_the_caller(signum: int) -> NoReturn:
+    """The agent was stopped by ``signum`` (Ctrl-C, a scheduler's SIGTERM) and stopped its workers: stop
+    the caller too, as the signal meant, rather than fail one job of a sweep that would start the next."""
+    name = signal.Signals(signum).name
+    print(f"distsync.launch: stopped by {name}; the workers were stopped", file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)  # the shell's code for a process ended by the signal
 
 
 def _launch_error(error, max_restarts: int) -> LaunchError:
@@ -373,6 +385,8 @@ def _run_rank(fn: Any, cfg: Any, state: _HydraState) -> tuple[int, Any]:
         # first: the peer's own death (SIGKILL, an exception) is the one worth reporting.
         time.sleep(_PEER_FAILURE_GRACE_S)
         _end_without_teardown(1)
+    except KeyboardInterrupt:  # Ctrl-C, or the agent stopping its workers with SIGINT: nothing to report
+        _end_without_teardown(128 + signal.SIGINT)
     atexit.register(_end_without_teardown, 0)  # runs once the agent has read the result
     return result
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import json
+import shutil
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
-from launching import FAST, ROOT, SCRIPT, TORCHRUN, metric_steps, run_job, summary
+from launching import FAST, ROOT, SCRIPT, TORCHRUN, job_env, metric_steps, run_job, summary
 
 
 @pytest.mark.slow
@@ -76,6 +78,30 @@ def test_sweep_runs_one_world_per_job_and_goes_on_past_a_failed_one(tmp_path):
     assert table[0] == "Overrides of every job: " + " ".join(["trainer.max_steps=10", *FAST])
     assert len(table) == 2 + 2 + 3 and "| 1 | optim.lr=inf | failed |" in table[5]
     assert (sweep / "sweep_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_whole_sweep_and_leaves_the_job_resumable(tmp_path):
+    """A scheduler's SIGTERM (or Ctrl-C) ends the sweep, not just its current job."""
+    sweep = tmp_path / "sweep"
+    job = ["trainer.max_steps=200", *FAST]
+    args = [sys.executable, str(SCRIPT), "-m", "optim.lr=0.1,0.05,0.02", f"hydra.sweep.dir={sweep}", *job]
+    with (tmp_path / "out").open("w") as out, (tmp_path / "err").open("w") as err:
+        proc = subprocess.Popen(args, cwd=tmp_path, env=job_env(), stdout=out, stderr=err)
+        deadline = time.monotonic() + 120
+        while not list((sweep / "0").glob("checkpoints/*")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=90)
+    stderr = (tmp_path / "err").read_text()
+    assert code == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "stopped by SIGTERM" in stderr
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]  # no further job started
+    assert not (sweep / "0" / "summary.json").exists()
+    # The interrupted job resumes from its checkpoint
+    again = [sys.executable, str(SCRIPT), f"hydra.run.dir={sweep / '0'}", "optim.lr=0.1", *job]
+    assert run_job(again, tmp_path).returncode == 0
+    assert summary(sweep / "0")["resumed_from_step"] >= 10
 
 
 @pytest.mark.slow
