@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+import yaml
 from launching import FAST, ROOT, SCRIPT, TORCHRUN, job_env, metric_steps, run_job, summary
 
 
@@ -145,6 +146,13 @@ def test_rerun_with_another_model_is_refused_once_without_restarts(tmp_path):
     assert proc.stderr.count("model.channels: [32, 64, 64] -> [8, 8]") == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert (run_dir / "summary.json").exists()  # the refused job's directory was the earlier run's
+    # Hydra's record in it still describes the run that trained there, not the refused job
+    assert "model.channels" not in (run_dir / ".hydra" / "overrides.yaml").read_text()
+    assert yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())["model"]["channels"] == [
+        32,
+        64,
+        64,
+    ]
 
 
 @pytest.mark.parametrize(

@@ -93,3 +93,21 @@ def test_a_filesystem_without_locks_is_refused_in_one_line(tmp_path, monkeypatch
     err = capsys.readouterr().err
     assert "without file locks" in err and "-o flock" in err and "Traceback" not in err
     assert err.strip().count("\n") == 0
+
+
+def test_a_refused_job_puts_back_the_record_of_the_job_that_trains(tmp_path, capsys):
+    """Hydra writes each job's .hydra/ before the lock can refuse it: the holder's record comes back."""
+    from distsync.train.launcher import launch
+    from distsync.train.rundir import keep_hydra_record
+
+    record = tmp_path / ".hydra"
+    record.mkdir()
+    (record / "overrides.yaml").write_text("- optim.lr=0.1\n")
+    cfg = TrainConfig(trainer=TrainerConfig(max_steps=5, progress=False))
+    with RunDirLock(tmp_path):
+        keep_hydra_record(tmp_path)  # what the holder did when it started training
+        (record / "overrides.yaml").write_text("- optim.lr=0.5\n")  # what Hydra wrote for the second job
+        with pytest.raises(SystemExit):
+            launch(cfg, str(tmp_path))
+    assert "is in use by pid" in capsys.readouterr().err
+    assert (record / "overrides.yaml").read_text() == "- optim.lr=0.1\n"

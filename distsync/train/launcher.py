@@ -34,7 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .config import ConfigError, TrainConfig
 from .resume import check_resume
-from .rundir import LOCK_NAME, RunDirBusy, RunDirLock
+from .rundir import LOCK_NAME, RECORD_NAME, RunDirBusy, RunDirLock, keep_hydra_record, restore_hydra_record
 from .targets import check_targets
 
 __all__ = [
@@ -163,7 +163,7 @@ _STARTED = time.time()
 def _discard_fresh_run_dir(run_dir: Path) -> None:
     try:
         fresh = run_dir.stat().st_ctime >= _STARTED - 1  # made by this process, not an earlier run's
-        only_record = {p.name for p in run_dir.iterdir()} <= {".hydra", LOCK_NAME}
+        only_record = {p.name for p in run_dir.iterdir()} <= {".hydra", RECORD_NAME, LOCK_NAME}
     except OSError:
         return
     if fresh and only_record:
@@ -433,6 +433,7 @@ def _lock_for_workers(cfg: TrainConfig, run_dir: str) -> RunDirLock | None:
     try:
         lock = RunDirLock(run_dir, for_workers=True).acquire()
     except RunDirBusy as busy:
+        restore_hydra_record(run_dir)  # Hydra overwrote the running job's .hydra/ with this one's
         _fail(str(busy))
     try:
         found = load_newest_checkpoint(run_dir, logging.getLogger("distsync.train"))
@@ -440,8 +441,10 @@ def _lock_for_workers(cfg: TrainConfig, run_dir: str) -> RunDirLock | None:
             path, state = found
             check_resume(state["config"], dataclasses.asdict(cfg), state["step"], str(path))
     except BaseException:
+        restore_hydra_record(run_dir)
         lock.release()
         raise
+    keep_hydra_record(run_dir)  # this job trains here: its record is the one to keep
     return lock
 
 

@@ -17,12 +17,22 @@ import datetime
 import errno
 import fcntl
 import os
+import shutil
 import socket
 from pathlib import Path
 
-__all__ = ["RunDirBusy", "RunDirLock", "RunDirUnlockable", "held_by_launcher"]
+__all__ = [
+    "RunDirBusy",
+    "RunDirLock",
+    "RunDirUnlockable",
+    "held_by_launcher",
+    "keep_hydra_record",
+    "restore_hydra_record",
+]
 
 LOCK_NAME = ".lock"
+RECORD_NAME = ".hydra.trained"
+"""A copy of Hydra's ``.hydra/`` record of the job that trains (or last trained) in the run directory."""
 HELD_ENV = "DISTSYNC_RUN_DIR_LOCKED"
 """Set by a launching process that holds the lock of this (resolved) run directory for its workers."""
 
@@ -112,3 +122,20 @@ class RunDirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def keep_hydra_record(run_dir: str | os.PathLike) -> None:
+    """Copy Hydra's record of this job (``.hydra/*.yaml``) aside, once it is sure to train here."""
+    source, kept = Path(run_dir) / ".hydra", Path(run_dir) / RECORD_NAME
+    if source.is_dir():
+        kept.mkdir(exist_ok=True)
+        for path in source.glob("*.yaml"):
+            shutil.copy2(path, kept / path.name)
+
+
+def restore_hydra_record(run_dir: str | os.PathLike) -> None:
+    """Put back the record of the job that trained here: Hydra wrote a refused job's over it."""
+    kept, target = Path(run_dir) / RECORD_NAME, Path(run_dir) / ".hydra"
+    if kept.is_dir() and target.is_dir():
+        for path in kept.glob("*.yaml"):
+            shutil.copy2(path, target / path.name)
