@@ -369,6 +369,9 @@ def _run_rank(fn: Any, cfg: Any, state: _HydraState) -> tuple[int, Any]:
     from distsync.train.lifeline import die_with_parent
 
     die_with_parent()  # an agent that is SIGKILLed cannot stop its workers
+    # Registered first, so it runs last: after the exit handlers of whatever fn used (loggers that
+    # flush at exit, for one), before the interpreter's teardown.
+    atexit.register(_end_without_teardown)
     try:
         rank = int(os.environ.get("RANK", "0"))
         state.restore()
@@ -381,17 +384,26 @@ def _run_rank(fn: Any, cfg: Any, state: _HydraState) -> tuple[int, Any]:
     except Exception as error:
         get_error_handler().record_exception(error)  # what the agent reports as the rank's failure
         traceback.print_exc()
+        _failures.append(error)  # its frames stay alive: nothing they hold is freed before the exit
         # A rank whose collective failed because a peer died must not be the failure the agent sees
         # first: the peer's own death (SIGKILL, an exception) is the one worth reporting.
         time.sleep(_PEER_FAILURE_GRACE_S)
-        _end_without_teardown(1)
+        raise SystemExit(1) from None
     except KeyboardInterrupt:  # Ctrl-C, or the agent stopping its workers with SIGINT: nothing to report
-        _end_without_teardown(128 + signal.SIGINT)
-    atexit.register(_end_without_teardown, 0)  # runs once the agent has read the result
+        _exit_code[0] = 128 + signal.SIGINT
+        raise SystemExit(_exit_code[0]) from None
+    except SystemExit as stop:  # fn's own sys.exit: its code stands
+        _exit_code[0] = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        raise
+    _exit_code[0] = 0
     return result
 
 
-def _end_without_teardown(exit_code: int) -> None:
+_exit_code = [1]  # what _end_without_teardown exits with: 0 once fn's result is ready for the agent
+_failures: list[BaseException] = []
+
+
+def _end_without_teardown() -> None:
     """Flush the logs and end the process, skipping the interpreter's teardown.
 
     A gloo process group whose last reference goes away while one of its threads still destroys a
@@ -403,4 +415,4 @@ def _end_without_teardown(exit_code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(exit_code)
+    os._exit(_exit_code[0])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from elastic_fns import fail_on_rank_one, rank_and_config
+from elastic_fns import fail_on_rank_one, flush_at_exit, rank_and_config
 from launching import ROOT, run_job
 
 import distsync
@@ -48,6 +48,12 @@ def test_workers_end_without_interpreter_teardown(fn, expected):
     proc = run_job([sys.executable, "-c", code], cwd=Path(__file__).parent, timeout=120)
     assert proc.returncode == 0
     assert proc.stdout.strip().splitlines()[-1].startswith(expected)
+
+
+def test_exit_handlers_of_the_workers_still_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert distsync.launch(flush_at_exit, str(tmp_path / "flushed"), nproc_per_node=2) == "registered"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["flushed.0", "flushed.1"]
 
 
 def test_bad_options_are_refused_before_any_worker_starts():
