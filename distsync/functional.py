@@ -52,16 +52,21 @@ def _update_running_stats_read(buffers, momentum: float | None, ends, global_cou
         return
     weight = momentum if momentum is not None else 1.0 / float(num_batches_tracked)
     dtype = _buffer_math_dtype(running_mean)
-    for buffer, end in ((running_mean, ends[0]), (running_var, ends[1])):
-        end = end.to(dtype)
-        if buffer.dtype == dtype:
-            buffer.lerp_(end, weight)
-        else:  # half buffers: update in float32
-            buffer.copy_(torch.lerp(buffer.to(dtype), end, weight))
+    _lerp_buffers((running_mean, running_var), (end.to(dtype) for end in ends), weight, dtype)
 
 
 def _buffer_math_dtype(buffer: Tensor) -> torch.dtype:
     return torch.float32 if buffer.dtype in (torch.float16, torch.bfloat16) else buffer.dtype
+
+
+def _lerp_buffers(buffers, ends, weight: float | Tensor, dtype: torch.dtype) -> None:
+    """``buffer += weight * (end - buffer)`` for each pair, computed in ``dtype`` (float32 for half
+    buffers, where ``1 / num_batches_tracked`` does not underflow)."""
+    for buffer, end in zip(buffers, ends, strict=True):
+        if buffer.dtype == dtype:
+            buffer.lerp_(end, weight)
+        else:
+            buffer.copy_(torch.lerp(buffer.to(dtype), end, weight))
 
 
 def _update_running_stats(
@@ -83,11 +88,7 @@ def _update_running_stats(
         enough = payload[payload.numel() - _moments.TAIL + COUNT] > 1
         mean = torch.where(enough, mean, running_mean.to(dtype))
         var = torch.where(enough, var, running_var.to(dtype))
-    for buffer, end in ((running_mean, mean), (running_var, var)):
-        if buffer.dtype == dtype:
-            buffer.lerp_(end, weight)
-        else:  # half buffers: update in float32, where 1 / num_batches_tracked does not underflow
-            buffer.copy_(torch.lerp(buffer.to(dtype), end, weight))
+    _lerp_buffers((running_mean, running_var), (mean, var), weight, dtype)
 
 
 class SyncBatchNormFunction(torch.autograd.Function):
