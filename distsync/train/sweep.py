@@ -13,10 +13,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 
-from .metrics import write_json_atomic, write_text_atomic
+from .metrics import MetricsLog, _series, write_json_atomic, write_text_atomic
 
 __all__ = ["SweepSummary", "summarize_sweep"]
 
@@ -59,11 +60,7 @@ def _job_sort_key(job: Path) -> tuple:
 
 
 def _job_row(sweep: Path, job: Path) -> dict:
-    overrides = [
-        line.removeprefix("- ").strip()
-        for line in (job / ".hydra" / "overrides.yaml").read_text().splitlines()
-        if line.startswith("- ")
-    ]
+    overrides = [str(o) for o in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []]
     row: dict[str, Any] = {"job": str(job.relative_to(sweep)), "overrides": overrides}
     try:
         summary = json.loads((job / "summary.json").read_text())
@@ -103,19 +100,13 @@ def _plot(sweep: Path, jobs: list[Path], labels: list[str]) -> None:
 
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
     for job, label in zip(jobs, labels, strict=True):
-        metrics = _read_metrics(job / "metrics.jsonl")
-        train = [
-            (r["step"], r["loss"]) for r in metrics if r.get("kind") == "train" and _positive(r.get("loss"))
-        ]
-        evals = [
-            (r["step"], 100 * r["accuracy"])
-            for r in metrics
-            if r.get("kind") == "eval" and _finite(r.get("accuracy"))
-        ]
-        if train:
-            ax_loss.plot(*zip(*train, strict=True), label=label)
-        if evals:
-            ax_acc.plot(*zip(*evals, strict=True), marker="o", markersize=3, label=label)
+        rows = MetricsLog(job / "metrics.jsonl", enabled=False).rows()
+        train = _series([r for r in rows if r.get("kind") == "train"], "loss", positive=True)
+        evals = _series([r for r in rows if r.get("kind") == "eval"], "accuracy", scale=100.0)
+        if train[0]:
+            ax_loss.plot(*train, label=label)
+        if evals[0]:
+            ax_acc.plot(*evals, marker="o", markersize=3, label=label)
     ax_loss.set(xlabel="step", ylabel="cross-entropy (log scale)", title="training loss", yscale="log")
     plain = FuncFormatter(lambda value, _: f"{value:g}")
     ax_loss.yaxis.set_major_formatter(plain)
@@ -128,25 +119,3 @@ def _plot(sweep: Path, jobs: list[Path], labels: list[str]) -> None:
     fig.tight_layout()
     fig.savefig(sweep / "sweep_curves.png", dpi=100)
     plt.close(fig)
-
-
-def _read_metrics(path: Path) -> list[dict]:
-    rows = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return rows
-    for line in lines:
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a line cut short by a crash
-            continue
-    return rows
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def _positive(value: Any) -> bool:
-    return _finite(value) and value > 0
