@@ -1,69 +1,69 @@
-"""A 2-process Lightning DDP fit on CPU with distsync's plugin (run by tests/test_lightning.py).
+"""A Lightning DDP fit on CPU with distsync's plugin (run by tests/test_lightning.py).
 
-Lightning's DDP launcher re-runs this script for rank 1. Each rank sees half of 8 samples; one step with
-momentum 1 leaves the synchronized batch's statistics in the running buffers, which rank 0 writes as JSON.
-Usage: ``lightning_app.py OUT.json [GROUP_SIZE]``; with group size 1 each rank keeps its own statistics.
+Usage: ``lightning_app.py OUT_DIR PACKAGE DEVICES GROUP_SIZE``, PACKAGE ``lightning.pytorch`` or
+``pytorch_lightning``. Lightning's DDP launcher re-runs this script for the other ranks. Each rank fits
+three steps of 2 samples with ``momentum=None`` (running statistics are the average of the steps') and writes
+``rank<R>.json``: the batches it saw, its running statistics and the layer type seen during and after fit.
 """
 
+import importlib
 import json
 import sys
+from pathlib import Path
 
-import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from distsync.lightning import DistSyncBatchNormPlugin
 
-DATA = torch.randn(8, 3, generator=torch.Generator().manual_seed(0)) * 3 + 1
+STEPS, PER_RANK = 3, 2
 
 
-class Model(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.bn = nn.BatchNorm1d(3, momentum=1.0)
-        self.seen = self.batch = None
+def fit(out_dir: Path, package: str, devices: int, group_size: int) -> None:
+    pl = importlib.import_module(package)
 
-    def training_step(self, batch, index):
-        self.seen, self.batch = type(self.bn).__name__, batch[0]
-        return self.bn(batch[0]).pow(2).sum()
+    class Model(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3, momentum=None)
+            self.seen, self.batches = None, []
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.0)
+        def training_step(self, batch, index):
+            self.seen = type(self.bn).__name__
+            self.batches.append(batch[0].tolist())
+            return self.bn(batch[0]).pow(2).sum()
 
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)
 
-def fit(group_size: int) -> tuple[int, dict]:
-    """Fit on this rank; return the global rank and what rank 0 reports."""
+    data = torch.randn(STEPS * PER_RANK * devices, 3, generator=torch.Generator().manual_seed(0)) * 3 + 1
     model = Model()
     trainer = pl.Trainer(
         strategy="ddp",
         accelerator="cpu",
-        devices=2,
+        devices=devices,
         sync_batchnorm=True,
         plugins=[DistSyncBatchNormPlugin(group_size=group_size)],
-        max_steps=1,
+        max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(model, DataLoader(TensorDataset(DATA), batch_size=4))
-    return trainer.global_rank, {
+    trainer.fit(model, DataLoader(TensorDataset(data), batch_size=PER_RANK))
+    result = {
         "layer_during_fit": model.seen,
         "layer_after_fit": type(model.bn).__name__,
+        "batches": model.batches,
         "running_mean": model.bn.running_mean.tolist(),
         "running_var": model.bn.running_var.tolist(),
-        # Synchronized: all 8 samples; in groups of 1: the 4 that rank 0 saw.
-        "expected_mean": (model.batch if group_size == 1 else DATA).mean(0).tolist(),
-        "expected_var": (model.batch if group_size == 1 else DATA).var(0).tolist(),
     }
+    (out_dir / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
-    rank, result = fit(int(sys.argv[2]) if len(sys.argv) > 2 else 0)
-    if rank == 0:
-        with open(sys.argv[1], "w") as out:
-            json.dump(result, out)
+    fit(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     # Lightning leaves the process group (and the BN subgroups) to interpreter exit, where gloo's teardown
     # can abort a rank that exits while another still holds the group, or deadlock when DDP frees it last:
     # once the DDP model is gone (fit returned), wait, then destroy the groups.

@@ -90,7 +90,7 @@ def test_sigterm_stops_the_whole_sweep_and_leaves_the_job_resumable(tmp_path):
     with (tmp_path / "out").open("w") as out, (tmp_path / "err").open("w") as err:
         proc = subprocess.Popen(args, cwd=tmp_path, env=job_env(), stdout=out, stderr=err)
         deadline = time.monotonic() + 120
-        while not list((sweep / "0").glob("checkpoints/*")) and time.monotonic() < deadline:
+        while not list((sweep / "0").glob("checkpoints/step_*.pt")) and time.monotonic() < deadline:
             time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=90)
