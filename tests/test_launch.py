@@ -64,7 +64,14 @@ def test_sweep_runs_one_world_per_job_and_goes_on_past_a_failed_one(tmp_path):
     args = ["-m", "optim.lr=0.1,inf,0.05", "trainer.max_steps=10", f"hydra.sweep.dir={sweep}", *FAST]
     proc = run_job([sys.executable, str(SCRIPT), *args], tmp_path)
     assert proc.returncode != 0  # a job failed: the sweep says so at the end
-    assert "optim.lr must be finite" in proc.stderr
+    # Said when the job fails, and again in Hydra's report at the end of the sweep: no traceback
+    assert proc.stderr.count("Error: optim.lr must be finite (got inf)\n") == 1
+    assert "Traceback" not in proc.stderr
+    report = proc.stderr[proc.stderr.index("Error executing job") :].splitlines()
+    assert report[:2] == [
+        "Error executing job with overrides: ['optim.lr=inf', 'trainer.max_steps=10', " + repr(FAST)[1:],
+        "optim.lr must be finite (got inf)",
+    ]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir())
     assert [j.name for j in jobs] == ["0", "1", "2"]
     assert not (jobs[1] / "summary.json").exists()
@@ -155,6 +162,23 @@ def test_rerun_with_another_model_is_refused_once_without_restarts(tmp_path):
     ]
 
 
+@pytest.mark.slow
+def test_external_torchrun_jobs_refused_leave_the_trained_record(tmp_path):
+    """Under torchrun the workers take the run-dir lock; a refused job puts the holder's .hydra back."""
+    from distsync.train.rundir import RunDirLock
+
+    run_dir = tmp_path / "run"
+    first = [*TORCHRUN, f"hydra.run.dir={run_dir}", "trainer.max_steps=10", *FAST]
+    assert run_job(first, tmp_path).returncode == 0
+    record = {p.name: p.read_text() for p in (run_dir / ".hydra").glob("*.yaml")}
+    with RunDirLock(run_dir):  # as if another job were training there
+        busy = run_job([*first, "optim.lr=0.05"], tmp_path, timeout=90)
+    assert busy.returncode != 0 and "is in use by" in busy.stderr
+    refused = run_job([*first, "model.channels=[8,8]"], tmp_path, timeout=90)
+    assert refused.returncode != 0 and "model.channels: [32, 64, 64] -> [8, 8]" in refused.stderr
+    assert {p.name: p.read_text() for p in (run_dir / ".hydra").glob("*.yaml")} == record
+
+
 @pytest.mark.parametrize(
     "override, key",
     [
@@ -184,10 +208,11 @@ def test_bad_override_exits_with_a_short_message(tmp_path, override, key):
         ("trainer.backend=mpi", "trainer.backend must be one of"),
         ("data.batch_size=100000", "data.batch_size must be at most"),
         ("trainer.rdzv_endpoint=localhost:abc", "must be an integer"),
+        ("trainer.nproc_per_node=1 model.norm=torch", "nn.SyncBatchNorm, which needs CUDA"),
     ],
 )
 def test_a_refusal_after_hydra_made_the_run_dir_leaves_nothing_behind(tmp_path, override, words):
-    proc = run_job([sys.executable, str(SCRIPT), override], tmp_path, timeout=60)
+    proc = run_job([sys.executable, str(SCRIPT), *override.split()], tmp_path, timeout=60)
     assert proc.returncode != 0
     error, *rest = proc.stderr.splitlines()
     assert error.startswith("Error: ") and words in error and rest == [], proc.stderr

@@ -28,6 +28,7 @@ from pathlib import Path
 import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -102,8 +103,11 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     return train_cfg
 
 
-class JobFailed(RuntimeError):
-    """A job of a ``-m`` sweep failed: Hydra records it, runs the remaining jobs, then exits non-zero."""
+class JobFailed(CompactHydraException, RuntimeError):
+    """A job of a ``-m`` sweep failed: Hydra records it, runs the remaining jobs, then exits non-zero.
+
+    Compact: at the end of the sweep Hydra names the failed job and prints this message, no traceback.
+    """
 
 
 def _fail(message: str, error: BaseException | None = None) -> None:
@@ -325,9 +329,9 @@ def _check_environment(cfg: TrainConfig) -> None:
     world = cfg.trainer.nproc_per_node * cfg.trainer.nnodes
     if under_torchrun():
         world = int(os.environ.get("WORLD_SIZE", "1"))
-    if cfg.model.norm == "torch" and world > 1 and not torch.cuda.is_available():
+    if cfg.model.norm == "torch" and not torch.cuda.is_available():  # DDP refuses it on CPU, even alone
         raise ConfigError(
-            "model.norm=torch uses nn.SyncBatchNorm, which needs CUDA with more than one rank; "
+            "model.norm=torch uses nn.SyncBatchNorm, which needs CUDA; "
             "use model.norm=sync (DistSyncBatchNorm runs on CPU/gloo)"
         )
     if cfg.trainer.precision == "fp16" and not torch.cuda.is_available():

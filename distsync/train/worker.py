@@ -43,7 +43,7 @@ from .logs import console_quiet, init_logger
 from .metrics import MetricsLog, plot_curves, write_json_atomic
 from .model import all_norms_synced, batch_norms, build_model
 from .resume import ResumeError, check_resume
-from .rundir import RunDirBusy, RunDirLock, held_by_launcher
+from .rundir import RunDirBusy, RunDirLock, held_by_launcher, keep_hydra_record, restore_hydra_record
 from .targets import instantiate
 
 __all__ = ["run"]
@@ -84,7 +84,15 @@ def run(cfg: TrainConfig, run_dir: str) -> dict:
     lock = None
     try:
         lock = _lock(Path(run_dir))
-        summary = _Trainer(cfg, Path(run_dir), device, started).fit()
+        try:
+            trainer = _Trainer(cfg, Path(run_dir), device, started)
+        except ResumeError:
+            if lock is not None:  # Hydra wrote this refused job's record over the one of the job that trained
+                restore_hydra_record(run_dir)
+            raise
+        if lock is not None:
+            keep_hydra_record(run_dir)  # this job trains here: its record is the one to keep
+        summary = trainer.fit()
     finally:
         if lock is not None:
             lock.release()
@@ -124,6 +132,7 @@ def _lock(run_dir: Path) -> RunDirLock | None:
         except RunDirBusy as busy:
             error = str(busy)
             print(f"Error: {error}", file=sys.stderr, flush=True)
+            restore_hydra_record(run_dir)  # Hydra wrote this job's record over the holder's
     error = _broadcast_object(error)
     if error:
         raise RunDirBusy(error)
