@@ -38,6 +38,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
         result = fn(*args)
         if rank == 0:
             queue.put(result)
+        dist.barrier()  # no rank tears its group down while another still uses it (gloo aborts then)
     finally:
         dist.destroy_process_group()
 
