@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -323,6 +324,7 @@ class _HydraState:
 
             if HydraConfig.initialized():
                 hydra_cfg = _resolved_copy(HydraConfig.instance().cfg)
+                _plain_plugin_nodes(hydra_cfg.hydra)
                 if log_dir is None:
                     log_dir = os.path.join(hydra_cfg.hydra.runtime.output_dir, "logs")
         return cls(cfg, hydra_cfg, os.path.abspath(log_dir) if log_dir is not None else None)
@@ -343,6 +345,18 @@ def _resolved_copy(node: Any) -> Any:
         OmegaConf.set_readonly(child, False)
     OmegaConf.resolve(node)
     return node
+
+
+def _plain_plugin_nodes(hydra_node: Any) -> None:
+    """Turn the plugins' configs in the hydra node (launcher, sweeper: instances of classes the plugins
+    define) into plain dicts. A job process that scans Hydra's plugins again (submitit's) re-executes the
+    plugins' modules, and their classes then no longer pickle for the workers."""
+    from omegaconf import OmegaConf
+
+    for key in list(hydra_node):
+        node_type = OmegaConf.get_type(hydra_node, key)
+        if dataclasses.is_dataclass(node_type) and not node_type.__module__.startswith("hydra.conf"):
+            hydra_node[key] = OmegaConf.to_container(hydra_node[key])
 
 
 def _log_to_files(log_dir: str, rank: int) -> None:

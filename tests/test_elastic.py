@@ -141,6 +141,18 @@ def test_example_optuna_sweep_gets_rank_zeros_value(app):
 
 
 @pytest.mark.slow
+def test_example_sweep_through_submitit_local(app):
+    """submitit's local executor (what hydra/launcher=submitit_slurm runs on a cluster) starts each job in
+    its own process, which scans Hydra's plugins again: the job's config must still reach the ranks."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    proc = _run_app(app, "-m", "hydra/launcher=submitit_local", "lr=0.05,0.2")
+    assert proc.returncode == 0
+    records = [_check_job(job) for job in _job_dirs(app / "multirun")]
+    assert [r["config"]["lr"] for r in records] == [0.05, 0.2]
+    assert _accuracy(_job_dirs(app / "multirun")[0]) > 0.5
+
+
+@pytest.mark.slow
 def test_a_failing_job_fails_alone_and_the_sweep_exits_non_zero(app):
     plugin = ["hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2"]
     proc = _run_app(app, "-m", *plugin, "fail_on_rank=1,-1")
