@@ -77,8 +77,10 @@ def pack_moments(mean: Tensor, var: Tensor, base: Tensor | None, count: int, row
 
 
 def pack_sums(first: Tensor, second: Tensor, row: Tensor) -> Tensor:
-    """Backward (or empty-input) payload from two per-channel sums; ``cat`` promotes them to float64."""
-    return torch.cat([first, second, second, row])
+    """Backward (or empty-input) payload from two per-channel sums, promoted to float64 like the tail
+    (in one conversion: a ``cat`` of mixed dtypes costs several times a plain one)."""
+    sums = torch.cat([first, second, second])
+    return torch.cat([sums.to(row.dtype), row])
 
 
 def merge(payload: Tensor, num_channels: int, scratch: dict) -> Stats:
@@ -120,6 +122,7 @@ def merge(payload: Tensor, num_channels: int, scratch: dict) -> Stats:
 SHIFT_JUMP = 2.0**10
 REFINE_DIGITS = 2.4  # (mean - K)^2 > 2^8 (var + eps)
 _REFINE = 2.0**8
+_INF = float("inf")
 
 
 def costs_accuracy(mean: Tensor, var: Tensor, eps: float) -> Tensor:
@@ -138,9 +141,11 @@ def update_shift(state, mean: Tensor, var: Tensor) -> None:
     if state.shift is None:
         state.shift = torch.zeros_like(mean)
         state.shift_ref = torch.full_like(var, float("inf"))
-    adopt = torch.le(var, state.shift_ref).logical_and_(mean.isfinite())  # False for a NaN variance
+    # A non-finite mean (or an empty call's 0/0) comes with a NaN variance: ``merge`` subtracts inf from
+    # inf there. NaN compares False, so this one comparison is the health rule and the jump rule at once.
+    adopt = torch.le(var, state.shift_ref)
     state.shift = torch.where(adopt, mean, state.shift)
-    state.shift_ref = torch.where(var.isfinite(), var * SHIFT_JUMP, state.shift_ref)
+    state.shift_ref = torch.where(var.lt(_INF), var * SHIFT_JUMP, state.shift_ref)  # var >= 0 or NaN
 
 
 def running_stat_weight(payload: Tensor, momentum: float | None, out: Tensor, batches: Tensor | None) -> None:
