@@ -140,7 +140,7 @@ def update_shift(state, mean: Tensor, var: Tensor) -> None:
     """
     if state.shift is None:
         state.shift = torch.zeros_like(mean)
-        state.shift_ref = torch.full_like(var, float("inf"))
+        state.shift_ref = torch.full_like(var, _INF)
     # A non-finite mean (or an empty call's 0/0) comes with a NaN variance: ``merge`` subtracts inf from
     # inf there. NaN compares False, so this one comparison is the health rule and the jump rule at once.
     adopt = torch.le(var, state.shift_ref)
