@@ -93,10 +93,22 @@ def _template(world_size: int, first: bool, identity: int) -> tuple[list[float],
     return row, squares
 
 
-def sync_batch_norm(layer, input: Tensor) -> Tensor:
-    """Training-mode forward of a synchronized layer in traceable ops (after :func:`prepare`)."""
+def sync_batch_norm(
+    layer,
+    input: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    num_batches_tracked: Tensor | None,
+    momentum: float | None,
+    eps: float,
+) -> Tensor:
+    """Training-mode batch norm of a synchronized layer in traceable ops (after :func:`prepare`), with
+    ``F.batch_norm``'s arguments (``momentum=None``: a cumulative average, counted in
+    ``num_batches_tracked``)."""
     t: Counters = layer._counters
-    c = layer.num_features
+    c = input.shape[1]
     nd = input.dim()
     dims = [0, *range(2, nd)]
     dtype = _moments.stat_dtype(input.dtype)
@@ -128,17 +140,19 @@ def sync_batch_norm(layer, input: Tensor) -> Tensor:
         bad = ~healthy | (count.detach() == 1)  # what the eager verdict raises for (training mode)
         t.bad_tail.copy_(torch.where(bad & ~t.bad, red_tail.to(torch.int64), t.bad_tail))
         t.bad.logical_or_(bad)
-        _update_running_stats(layer, mean.detach(), var.detach(), count.detach(), healthy)
+        if running_mean is not None and running_var is not None:
+            buffers = (running_mean, running_var, num_batches_tracked)
+            _update_running_stats(buffers, momentum, mean.detach(), var.detach(), count.detach(), healthy)
     if layer.eps_mode == "clamp":
-        invstd = var.clamp_min(layer.eps).rsqrt()
+        invstd = var.clamp_min(eps).rsqrt()
     else:
-        invstd = (var + layer.eps).rsqrt()
+        invstd = (var + eps).rsqrt()
     shape = (1, -1, *[1] * (nd - 2))
     output = (input.to(dtype) - mean.to(dtype).view(shape)) * invstd.to(dtype).view(shape)
-    if layer.weight is not None:
-        output = output * layer.weight.to(dtype).view(shape)
-    if layer.bias is not None:
-        output = output + layer.bias.to(dtype).view(shape)
+    if weight is not None:
+        output = output * weight.to(dtype).view(shape)
+    if bias is not None:
+        output = output + bias.to(dtype).view(shape)
     return output.to(input.dtype)
 
 
@@ -148,18 +162,20 @@ def _unit(index: int, like: Tensor) -> Tensor:
     return unit
 
 
-def _update_running_stats(layer, mean: Tensor, var: Tensor, count: Tensor, healthy: Tensor) -> None:
-    if not (layer.track_running_stats and layer.running_mean is not None):
-        return
+def _update_running_stats(
+    buffers, momentum: float | None, mean: Tensor, var: Tensor, count: Tensor, healthy: Tensor
+) -> None:
+    running_mean, running_var, num_batches_tracked = buffers
     enough = count > 1
     unbiased = var * count / (count - 1).clamp_min(1.0)
-    layer.num_batches_tracked.add_(healthy.long())
-    if layer.momentum is None:
-        weight = healthy.double() / layer.num_batches_tracked.clamp_min(1).double()
+    if num_batches_tracked is not None:
+        num_batches_tracked.add_(healthy.long())
+    if momentum is None:
+        weight = healthy.double() / num_batches_tracked.clamp_min(1).double()
     else:
-        weight = healthy.double() * layer.momentum
+        weight = healthy.double() * momentum
     weight = torch.where(enough, weight, 0.0)
-    for buffer, end in ((layer.running_mean, mean), (layer.running_var, unbiased)):
+    for buffer, end in ((running_mean, mean), (running_var, unbiased)):
         end = torch.where(end.isfinite(), end, buffer.double())
         buffer.copy_(torch.lerp(buffer.double(), end, weight).to(buffer.dtype))
 

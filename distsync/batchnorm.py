@@ -106,9 +106,25 @@ class DistSyncBatchNorm(_BatchNorm):
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, bias=bias
         )
+        self._init_sync(process_group)
+
+    # What a synchronized layer holds besides a batch-norm layer's state (dropped again by revert).
+    _SYNC_ATTRIBUTES = (
+        "process_group",
+        "_sync_state",
+        "_replica_reducer",
+        "_counters",
+        "_sync_template",
+        "_updates_running_stats",
+    )
+
+    def _init_sync(self, process_group: dist.ProcessGroup | None) -> None:
+        """Add the synchronization state to a batch-norm layer (from the constructor, or on conversion)."""
         self.process_group = process_group
         self._sync_state = SyncState()
         self._replica_reducer: Reducer | None = None
+        tensors = (*self._parameters.values(), *self._buffers.values())
+        device = next((t.device for t in tensors if t is not None), None)
         self._counters = _compiled.Counters(device)  # call count and verdict of compiled calls
 
     def _apply(self, fn, recurse: bool = True):
@@ -146,20 +162,25 @@ class DistSyncBatchNorm(_BatchNorm):
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
-    def _input_problem(self, input: Tensor) -> str | None:
+    def _input_problem(self, input: Tensor, channels: int, eps: float, check_dim: bool) -> str | None:
+        """What makes ``input`` unfit for a synchronized training call (None if nothing): what
+        ``F.batch_norm`` would refuse, and with ``check_dim`` the layer's own input-rank check."""
         try:
-            self._check_input_dim(input)
+            if check_dim:
+                self._check_input_dim(input)
+            elif input.dim() < 2:
+                raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
         except ValueError as error:
             return f"{self._layer_name()}: {error}"
-        if input.shape[1] != self.num_features:
+        if input.shape[1] != channels:
             return (
-                f"{self._layer_name()}: expected {self.num_features} channels in dimension 1, "
+                f"{self._layer_name()}: expected {channels} channels in dimension 1, "
                 f"got input of size {list(input.shape)}"
             )
         if not input.is_floating_point():
             return f"{self._layer_name()}: expected a floating-point input, got {input.dtype}"
-        if not self.eps > 0:  # what F.batch_norm checks in training
-            return f"{self._layer_name()}: batch_norm eps must be positive during training, got {self.eps}"
+        if not eps > 0:  # what F.batch_norm checks in training
+            return f"{self._layer_name()}: batch_norm eps must be positive during training, got {eps}"
         return None
 
     def __getstate__(self) -> dict:
@@ -193,50 +214,87 @@ class DistSyncBatchNorm(_BatchNorm):
         return process_group_reducer(self.process_group)
 
     def forward(self, input: Tensor) -> Tensor:
-        if self.training and torch.compiler.is_compiling() and self._replica_reducer is None:
+        if self.training:
+            update = self.track_running_stats and self._updates_running_stats
+            buffers = (self.running_mean, self.running_var, self.num_batches_tracked)
+            if not update:
+                buffers = (None, None, None)
+            output = self._sync_batch_norm(
+                input, self.weight, self.bias, *buffers, self.momentum, self.eps, check_dim=True
+            )
+            if output is not None:
+                return output
+        return super().forward(input)
+
+    def _sync_batch_norm(
+        self,
+        input: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        num_batches_tracked: Tensor | None,
+        momentum: float | None,
+        eps: float,
+        check_dim: bool = False,
+        problem: str | None = None,
+    ) -> Tensor | None:
+        """Training-mode batch norm of ``input`` with the statistics of the group's global batch, or None
+        where there is nobody to sync with (the caller then normalizes locally, as ``nn.BatchNorm`` does).
+
+        The arguments are those of ``F.batch_norm``. ``momentum=None`` is a cumulative average over
+        ``num_batches_tracked``, which this call then counts (healthy calls only); a converted subclass
+        passes the factor its own forward computed, and no counter (that forward counted). A ``problem``
+        (a message) makes every participant raise at this call, this one with ``ValueError(problem)``.
+        """
+        channels = next((t.numel() for t in (weight, running_mean) if t is not None), self.num_features)
+        if problem is None:
+            problem = self._input_problem(input, channels, eps, check_dim)
+        if torch.compiler.is_compiling() and self._replica_reducer is None:
             # Traced whole (fullgraph): identity and group size are resolved at trace time, outside the graph.
-            if _compiled.prepare(self):
-                return self._compiled_forward(input)
-            return super().forward(input)
-        reducer = self._reducer() if self.training else None
+            if not _compiled.prepare(self):
+                return None
+            if problem is not None:  # shapes and dtypes are static while tracing
+                raise ValueError(problem)
+            return _compiled.sync_batch_norm(
+                self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps
+            )
+        reducer = self._reducer()
         if reducer is None:
-            return super().forward(input)
-        if torch.compiler.is_compiling():  # DataParallel replicas under torch.compile: not traced
-            return self._untraced_sync_forward(input, reducer)
-        return self._sync_forward(input, reducer)
+            return None
+        # DataParallel replicas under torch.compile: not traced
+        apply = self._untraced_apply if torch.compiler.is_compiling() else self._apply_sync
+        return apply(
+            input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, channels,
+            reducer, problem,
+        )  # fmt: skip
 
-    def _compiled_forward(self, input: Tensor) -> Tensor:
-        problem = self._input_problem(input)  # shapes and dtypes are static while tracing
-        if problem is not None:
-            raise ValueError(problem)
-        if not self.eps > 0:
-            raise ValueError(f"{self._layer_name()}: batch_norm eps must be positive during training")
-        return _compiled.sync_batch_norm(self, input)
-
-    def _sync_forward(self, input: Tensor, reducer: Reducer) -> Tensor:
+    def _apply_sync(
+        self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, channels,
+        reducer: Reducer, problem: str | None,
+    ) -> Tensor:  # fmt: skip
         state = self._sync_state
         if state.identity is None:
             state.resolve(self, self.num_features)
-        update_running = self.track_running_stats and self._updates_running_stats
         return SyncBatchNormFunction.apply(
             input,
-            self.weight,
-            self.bias,
-            self.running_mean if update_running else None,
-            self.running_var if update_running else None,
-            self.num_batches_tracked if update_running else None,
-            self.momentum,
-            self.eps,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            num_batches_tracked,
+            momentum,
+            eps,
             self.eps_mode == "clamp",
-            self.num_features,
+            channels,
             reducer,
             state,
-            self._input_problem(input),
+            problem,
         )
 
     # torch.compiler.disable, with dynamo imported at the first call (only ever made while compiling)
     # rather than when distsync is imported.
-    _untraced_sync_forward = torch._disable_dynamo(_sync_forward)
+    _untraced_apply = torch._disable_dynamo(_apply_sync)
 
 
 class DistSyncBatchNorm1d(DistSyncBatchNorm):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import warnings
+import copy
 
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ._identity import record_tree
+from ._subclass import original_class, twin_class
 from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
 
 __all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "BatchNormNd"]
@@ -37,36 +38,18 @@ _TO_LOCAL = {
 }
 
 
-def _swap(module: _BatchNorm, new_cls: type[_BatchNorm], **extra) -> _BatchNorm:
-    """A ``new_cls`` layer sharing ``module``'s parameters and buffers (the same tensor objects)."""
-    reference = module.running_mean if module.weight is None else module.weight
-    factory = {} if reference is None else {"device": reference.device, "dtype": reference.dtype}
-    new = new_cls(
-        module.num_features,
-        module.eps,
-        module.momentum,
-        module.affine,
-        module.track_running_stats,
-        bias=not module.affine or module.bias is not None,
-        **extra,
-        **factory,
-    )
-    for name, param in module.named_parameters(recurse=False):
-        setattr(new, name, param)
-    for name, buffer in module.named_buffers(recurse=False):
-        setattr(new, name, buffer)
-    new.train(module.training)
-    if hasattr(module, "qconfig"):
-        new.qconfig = module.qconfig
+def _recast(module: nn.Module, cls: type[nn.Module], drop: tuple[str, ...] = ()) -> nn.Module:
+    """A ``cls`` object with ``module``'s state: the same parameters, buffers, children and attributes
+    (the same objects, in containers of its own), less the attributes named in ``drop``."""
+    new = cls.__new__(cls)
+    for name, value in module.__dict__.items():
+        if name not in drop:
+            new.__dict__[name] = copy.copy(value) if isinstance(value, (dict, set, list)) else value
     return new
 
 
-def _match(module: nn.Module, table: dict) -> type | None:
-    return next((table[cls] for cls in type(module).__mro__ if cls in table), None)
-
-
 def _sync_class(module: nn.Module) -> type[DistSyncBatchNorm] | None:
-    """The distsync class for ``module``, as PyTorch's converter would pick it (any ``_BatchNorm``)."""
+    """The distsync class for ``module`` (None if it is no batch-norm layer, or already synchronized)."""
     if isinstance(module, DistSyncBatchNorm) or not isinstance(module, _BatchNorm):
         return None
     if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
@@ -74,25 +57,21 @@ def _sync_class(module: nn.Module) -> type[DistSyncBatchNorm] | None:
             f"cannot convert the uninitialized {type(module).__name__}: its number of features is not known "
             "yet. Run one forward pass (or initialize the lazy model) before convert_sync_batchnorm."
         )
-    new_cls = _match(module, _TO_SYNC) or DistSyncBatchNorm
-    if type(module) not in _TO_SYNC:
-        warnings.warn(
-            f"convert_sync_batchnorm: {type(module).__name__} is converted to {new_cls.__name__} like "
-            "nn.SyncBatchNorm.convert_sync_batchnorm would; its own forward and input checks are not kept",
-            UserWarning,
-            stacklevel=3,
-        )
-    return new_cls
+    return _TO_SYNC.get(type(module)) or twin_class(type(module))
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
     """Replace every batch-norm layer in ``module`` by its distsync twin, as PyTorch's converter does.
 
-    ``nn.BatchNorm1d/2d/3d`` (and their subclasses) become ``DistSyncBatchNorm1d/2d/3d``; ``nn.SyncBatchNorm``
-    and any other ``_BatchNorm`` become the rank-agnostic ``DistSyncBatchNorm`` (with a warning for custom
-    subclasses, whose own forward is not kept). An uninitialized lazy layer is refused. Parameters are kept
-    as the same objects (so optimizers built before still point at them), and so are buffers,
-    ``requires_grad``, ``training``, ``bias=False``, device and dtype.
+    ``nn.BatchNorm1d/2d/3d`` become ``DistSyncBatchNorm1d/2d/3d``, ``nn.SyncBatchNorm`` the rank-agnostic
+    ``DistSyncBatchNorm``. A subclass of any of them (timm's ``BatchNormAct2d``, your own) becomes its
+    synchronized twin: an instance of both the subclass and ``DistSyncBatchNorm`` that runs the subclass's
+    own forward (activation, dropout, checks, extra parameters and buffers, all kept) with the batch-norm
+    computation in it synchronized. A subclass whose forward computes its statistics without
+    ``F.batch_norm`` or the base class's forward cannot be synchronized: its first training call raises
+    ``ValueError``, on every rank. An uninitialized lazy layer is refused. Parameters, buffers and
+    children are kept as the same objects (so optimizers built before still point at them), and so are
+    every other attribute, hooks, ``requires_grad`` and ``training``.
 
     Args:
         module: a module tree, or a single batch-norm layer
@@ -116,7 +95,9 @@ def _convert(module: nn.Module, process_group: dist.ProcessGroup | None) -> nn.M
     if new_cls is not None:
         if process_group is None:  # an nn.SyncBatchNorm keeps the group it syncs over
             process_group = getattr(module, "process_group", None)
-        return _swap(module, new_cls, process_group=process_group)
+        new = _recast(module, new_cls)
+        new._init_sync(process_group)
+        return new
     for name, child in module.named_children():
         converted = _convert(child, process_group)
         if converted is not child:
@@ -128,13 +109,24 @@ def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Replace every :class:`DistSyncBatchNorm` in ``module`` by plain ``nn.BatchNorm1d/2d/3d``.
 
     For export and single-process inference. The rank-agnostic ``DistSyncBatchNorm`` becomes
-    :class:`BatchNormNd`. Parameters and buffers are kept as the same objects.
+    :class:`BatchNormNd`, and a converted subclass its original class again. Parameters, buffers and
+    children are kept as the same objects.
     """
-    new_cls = _match(module, _TO_LOCAL)
+    new_cls = _local_class(module)
     if new_cls is not None:
-        return _swap(module, new_cls)
+        drop = DistSyncBatchNorm._SYNC_ATTRIBUTES
+        if issubclass(new_cls, nn.SyncBatchNorm):  # its own attribute, the group it syncs over
+            drop = tuple(name for name in drop if name != "process_group")
+        return _recast(module, new_cls, drop)
     for name, child in module.named_children():
         converted = revert_sync_batchnorm(child)
         if converted is not child:
             module.add_module(name, converted)
     return module
+
+
+def _local_class(module: nn.Module) -> type[_BatchNorm] | None:
+    """The class a synchronized layer is reverted to (None for any other module)."""
+    if not isinstance(module, DistSyncBatchNorm):
+        return None
+    return original_class(type(module)) or next(_TO_LOCAL[c] for c in type(module).__mro__ if c in _TO_LOCAL)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from bn_subclasses import ActNorm2d
 from torch import nn
 
 import distsync
@@ -16,6 +17,7 @@ def _model(seed):
         nn.ReLU(),
         nn.Conv2d(8, 4, 3),
         distsync.DistSyncBatchNorm2d(4, momentum=None),
+        distsync.convert_sync_batchnorm(ActNorm2d(4)),  # a converted subclass: its forward traced too
     )
 
 

@@ -98,15 +98,12 @@ class _CustomNorm(nn.modules.batchnorm._BatchNorm):
         pass
 
 
-def test_converts_what_pytorch_converts_and_says_what_it_drops():
+def test_converts_what_pytorch_converts_and_keeps_subclasses():
     model = nn.Sequential(_CustomNorm(3), nn.BatchNorm2d(3), distsync.BatchNormNd(3))
-    with pytest.warns(UserWarning, match="_CustomNorm is converted to DistSyncBatchNorm"):
-        converted = distsync.convert_sync_batchnorm(model)
-    assert [type(m) for m in converted] == [
-        distsync.DistSyncBatchNorm,
-        distsync.DistSyncBatchNorm2d,
-        distsync.DistSyncBatchNorm,
-    ]
+    converted = distsync.convert_sync_batchnorm(model)
+    assert [type(m) for m in converted][1:] == [distsync.DistSyncBatchNorm2d, distsync.DistSyncBatchNorm]
+    assert isinstance(converted[0], _CustomNorm) and isinstance(converted[0], distsync.DistSyncBatchNorm)
+    assert type(distsync.revert_sync_batchnorm(converted)[0]) is _CustomNorm
     with pytest.raises(ValueError, match="uninitialized LazyBatchNorm2d"):
         distsync.convert_sync_batchnorm(nn.Sequential(nn.LazyBatchNorm2d()))
     lazy = nn.Sequential(nn.LazyBatchNorm2d())

@@ -1,0 +1,141 @@
+"""Synchronized twins of batch-norm subclasses: the subclass's own forward, with its normalization synced.
+
+Model libraries subclass ``nn.BatchNorm*d`` to fuse more into the layer: timm's ``BatchNormAct2d`` applies an
+activation and dropout held in child modules, others add checks, parameters or buffers. Replacing such a
+layer by a plain synchronized one would silently change the network. Its twin is a class derived from both
+the subclass and :class:`DistSyncBatchNorm`: an instance holds the subclass's state as it was (children,
+parameters, buffers, attributes) and runs the subclass's forward. In training mode the batch-norm computation
+that forward makes through ``F.batch_norm`` or ``torch.batch_norm``, directly or through the base class's
+forward, is routed to the synchronized layer by a ``TorchFunctionMode`` active during that forward only
+(``torch.compile`` traces it too). A forward that makes no such call computes its statistics some other way,
+which cannot be synchronized: its first training call raises, on every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.overrides import TorchFunctionMode
+
+from .batchnorm import DistSyncBatchNorm
+
+__all__ = ["original_class", "twin_class"]
+
+# The batch-norm functions a subclass's forward may call, with their parameter names in order.
+_STATS, _REST = ("running_mean", "running_var"), ("training", "momentum", "eps")
+_SIGNATURES = {
+    F.batch_norm: ("input", *_STATS, "weight", "bias", *_REST),
+    torch.batch_norm: ("input", "weight", "bias", *_STATS, *_REST),  # and cudnn_enabled
+}
+_DEFAULTS = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+
+
+class _RouteBatchNorm(TorchFunctionMode):
+    """Within a twin's training forward: send its batch-norm calls to the synchronized layer."""
+
+    def __init__(self, layer: DistSyncBatchNorm) -> None:
+        super().__init__()
+        self.layer = layer
+        self.calls = 0  # batch-norm calls seen, synchronized or not
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        names = _SIGNATURES.get(func)
+        if names is None:
+            return func(*args, **kwargs)
+        self.calls += 1
+        call = {**_DEFAULTS, **dict(zip(names, args, strict=False)), **kwargs}
+        if not call["training"]:  # normalizes with the statistics it is given: nothing to sync
+            return func(*args, **kwargs)
+        layer = self.layer
+        updates = layer._updates_running_stats  # DataParallel copies other than copy 0 do not
+        output = layer._sync_batch_norm(
+            call["input"],
+            call["weight"],
+            call["bias"],
+            call["running_mean"] if updates else None,
+            call["running_var"] if updates else None,
+            None,  # the subclass's forward counts num_batches_tracked itself, as it did before
+            call["momentum"],
+            call["eps"],
+        )
+        return func(*args, **kwargs) if output is None else output
+
+
+def _refuse(layer: DistSyncBatchNorm, args: tuple) -> None:
+    """Raise for a twin whose forward made no batch-norm call: on every rank, through the sync."""
+    name = original_class(type(layer)).__name__
+    message = (
+        f"{name} cannot be synchronized: its forward computes its batch statistics without F.batch_norm or "
+        f"the base class's forward, so distsync has nothing to route through the sync. Make {name}.forward "
+        "normalize with F.batch_norm (or super().forward()), or replace the layer before converting (e.g. by "
+        "a distsync.DistSyncBatchNorm followed by what its forward adds)."
+    )
+    input = args[0] if args else None
+    if isinstance(input, Tensor) and input.dim() >= 1:  # the peers at this call learn it from the sync
+        layer._sync_batch_norm(input, None, None, None, None, None, 0.0, layer.eps, problem=message)
+    raise ValueError(message)
+
+
+def _twin_forward(twin: type):
+    def forward(self, *args, **kwargs):
+        original = super(twin, self).forward
+        if not self.training:
+            return original(*args, **kwargs)
+        route = _RouteBatchNorm(self)
+        with route:
+            output = original(*args, **kwargs)
+        if route.calls == 0:
+            _refuse(self, args)
+        return output
+
+    return forward
+
+
+@functools.cache
+def _local_base(base: type) -> type:
+    """``base`` with ``_BatchNorm``'s plain forward as its own attribute: what a twin's ``super().forward()``
+    reaches, ahead of ``DistSyncBatchNorm``'s forward (and of ``nn.SyncBatchNorm``'s, which would sync again
+    or refuse the CPU)."""
+    return type(f"_Local{base.__name__}", (base,), {"forward": _BatchNorm.forward, "__module__": __name__})
+
+
+@functools.cache
+def twin_class(cls: type[_BatchNorm]) -> type[DistSyncBatchNorm]:
+    """The synchronized twin of the batch-norm subclass ``cls`` (one class per subclass).
+
+    Its method order is ``twin, cls, ..., local base, base, DistSyncBatchNorm, _BatchNorm``, where base is
+    the nearest batch-norm class of torch's (or distsync's ``BatchNormNd``) that ``cls`` derives from: the
+    subclass's own methods (``_check_input_dim`` included) come first, its ``super().forward()`` reaches a
+    plain local forward whose ``F.batch_norm`` call the twin routes, and ``DistSyncBatchNorm`` adds the
+    synchronization.
+    """
+    from .convert import BatchNormNd  # lazy: convert imports this module
+
+    base = next(c for c in cls.__mro__ if c.__module__.startswith("torch.") or c is BatchNormNd)
+    twin = type(
+        f"DistSync{cls.__name__}",
+        (cls, _local_base(base), DistSyncBatchNorm),
+        {"__module__": __name__, "_distsync_original": cls, "__reduce_ex__": _reduce_ex},
+    )
+    twin.forward = _twin_forward(twin)
+    return twin
+
+
+def original_class(cls: type) -> type | None:
+    """The batch-norm subclass a twin class was made for (None for any other class)."""
+    return cls.__dict__.get("_distsync_original")
+
+
+def _reduce_ex(self, protocol):
+    # The twin class is made at run time: pickles and copies rebuild it from the subclass (importable).
+    return _rebuild, (original_class(type(self)),), self.__getstate__()
+
+
+def _rebuild(cls: type[_BatchNorm]) -> nn.Module:
+    twin = twin_class(cls)
+    return twin.__new__(twin)
