@@ -12,6 +12,7 @@ import warnings
 
 import pytest
 import torch
+from bn_subclasses import ActNorm2d
 from torch import nn
 
 import distsync
@@ -149,6 +150,33 @@ def test_replicas_equal_batchnorm_on_the_whole_batch(replicate, dim, shape, size
     ref.eval()
     x = torch.randn(5, *shape, dtype=torch.float64)
     torch.testing.assert_close(model(x.to(dtype)).double(), ref(x), **tol)
+
+
+def test_replicas_of_a_converted_subclass_keep_its_forward(replicate):
+    """A converted BatchNormAct-style subclass under the shim: its activation and extra parameter applied on
+    every replica, its statistics those of the whole batch."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(ActNorm2d(3), nn.Conv2d(3, 3, 1), ActNorm2d(3, momentum=None)).double()
+    model = convert_model(copy.deepcopy(ref)).float()
+    assert isinstance(model[0], ActNorm2d) and isinstance(model[0], distsync.DistSyncBatchNorm)
+    for step in range(2):
+        torch.manual_seed(10 + step)
+        x = torch.randn(7, 3, 4, 4, dtype=torch.float64) * 2 + 1
+        grad = torch.randn(7, 3, 4, 4, dtype=torch.float64)
+        xr = x.clone().requires_grad_()
+        expected = ref(xr)
+        expected.backward(grad)
+        chunks, grad_chunks = x.float().split([3, 1, 3]), grad.float().split([3, 1, 3])
+        out, x_grad = _forward_backward(replicate(model, 3), chunks, grad_chunks)
+        torch.testing.assert_close(out.double(), expected.detach(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(x_grad.double(), xr.grad, rtol=1e-4, atol=1e-4)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p.grad.double(), q.grad, rtol=1e-4, atol=1e-4, msg=name)
+        for name in ("0.running_mean", "0.running_var", "2.running_var", "2.num_batches_tracked"):
+            got, want = model.state_dict()[name], ref.state_dict()[name]
+            torch.testing.assert_close(got.to(want.dtype), want, rtol=1e-4, atol=1e-4, msg=name)
+        _sgd(model)
+        _sgd(ref)
 
 
 def test_a_layer_called_twice_per_forward_syncs_each_call(replicate):
