@@ -6,6 +6,7 @@ docs/performance.md ("The CUDA path, traced") for how to run this file.
 
 import pytest
 import torch
+from bn_subclasses import ActNorm2d
 
 from distsync import _health
 
@@ -26,25 +27,30 @@ CASES = {
 }
 
 
-def trace_layer(shape, dtype=torch.float32, channels_last=False, momentum=0.1):
-    """Forward and backward traces of one synced call on fake CUDA tensors in a fake 2-rank NCCL world."""
+def trace_layer(shape, dtype=torch.float32, channels_last=False, momentum=0.1, subclass=False):
+    """Forward and backward traces of one synced call on fake CUDA tensors in a fake 2-rank NCCL world
+    (with ``subclass``, of a converted BatchNormAct-style subclass)."""
     import distsync
     from distsync._trace import fake_cuda_world, record
 
     _health._monitor.__init__()
     with fake_cuda_world(2):
-        layer = distsync.DistSyncBatchNorm(shape[1], momentum=momentum, device="cuda")
+        if subclass:
+            with torch.device("cuda"):
+                layer = distsync.convert_sync_batchnorm(ActNorm2d(shape[1], momentum=momentum))
+        else:
+            layer = distsync.DistSyncBatchNorm(shape[1], momentum=momentum, device="cuda")
         x = torch.randn(shape, device="cuda", dtype=dtype)
         if channels_last:
             x = x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
         x.requires_grad_()
         warm_up = layer(x.detach().requires_grad_())  # first calls build the device-side tail tables
-        warm_up.grad_fn.apply(torch.randn_like(warm_up))
+        _backward(warm_up, torch.randn_like(warm_up))
         with record(x.numel()) as forward:
             out = layer(x)
         dy = torch.randn_like(out)
         with record(x.numel()) as backward:
-            grads = out.grad_fn.apply(dy)
+            grads = _backward(out, dy)
     _health._monitor.__init__()
     assert grads[0].shape == x.shape
     return forward, backward
@@ -60,6 +66,35 @@ def test_cuda_path_has_no_host_sync_and_stays_within_budget(case):
     assert len(backward.ops) <= BACKWARD_OPS, backward.ops
     assert forward.activation_passes <= FORWARD_PASSES, forward.ops
     assert backward.activation_passes <= BACKWARD_PASSES, backward.ops
+
+
+def _backward(output, grad):
+    """Run the backward nodes from ``output`` down to the synced layer's, on this thread (where the
+    trace records; the autograd engine would run CUDA nodes on its own threads)."""
+    node = output.grad_fn
+    while not hasattr(node, "apply"):  # the subclass's own ops after the normalization
+        grads = node(grad)  # a tuple, or the one gradient itself
+        grad, node = grads[0] if isinstance(grads, tuple) else grads, node.next_functions[0][0]
+    return node.apply(grad)
+
+
+# What ActNorm2d's own ops add around its F.batch_norm call: forward, two counters, SiLU and the gain's
+# product; backward, that product's two gradients and SiLU's backward (8 ATen ops on fake CUDA tensors).
+SUBCLASS_FORWARD_OPS, SUBCLASS_BACKWARD_OPS = 4, 10
+
+
+# (momentum=None is left out: like _BatchNorm's forward, ActNorm2d reads 1 / num_batches_tracked on the host)
+@pytest.mark.parametrize("case", ["fp32 2d", "bf16 input", "fp16 input", "fp32 channels_last"])
+def test_a_converted_subclass_keeps_the_cuda_path(case):
+    """The routed F.batch_norm call of a converted subclass takes the same path: no host sync, one
+    all-reduce each way, the layer's budget plus what the subclass's own ops add."""
+    forward, backward = trace_layer(**CASES[case], subclass=True)
+    assert forward.host_transfers == [] and backward.host_transfers == []
+    assert [op for op, _ in forward.collectives] == ["c10d.allreduce_.default"]
+    assert [op for op, _ in backward.collectives] == ["c10d.allreduce_.default"]
+    assert len(forward.ops) <= FORWARD_OPS + SUBCLASS_FORWARD_OPS, forward.ops
+    assert len(backward.ops) <= BACKWARD_OPS + SUBCLASS_BACKWARD_OPS, backward.ops
+    assert "aten.batch_norm_elemt.default" in forward.ops
 
 
 def test_cuda_path_uses_the_cuda_batch_norm_kernels():
