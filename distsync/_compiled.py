@@ -52,6 +52,8 @@ class Counters:
         self.bad_tail = torch.zeros(TAIL, dtype=torch.int64, device=device)  # first such reduced tail
 
     def to(self, device) -> Counters:
+        if self.calls.is_meta:  # a layer built on meta has made no call: fresh counters where it goes
+            return Counters(device)
         moved = Counters.__new__(Counters)
         moved.calls, moved.bad, moved.bad_tail = (t.to(device) for t in (self.calls, self.bad, self.bad_tail))
         return moved

@@ -189,3 +189,36 @@ def test_half_inputs_make_no_float32_copy_of_the_activation():
     for largest in run_world(_largest_allocation, 2):
         for dtype, ratio in largest.items():
             assert ratio < 2, f"{dtype}: one allocation of {ratio:.2f}x the activation (a float32 copy is 2x)"
+
+
+def _built_on_meta(kind: str) -> nn.Module:
+    """A layer or model built on the meta device, then materialized on the CPU as FSDP2 and accelerate do."""
+    torch.manual_seed(0)
+    if kind == "device argument":
+        model = distsync.DistSyncBatchNorm2d(4, momentum=None, device="meta")
+    elif kind == "device context":
+        with torch.device("meta"):
+            model = distsync.DistSyncBatchNorm2d(4, momentum=None)
+    else:
+        with torch.device("meta"):
+            model = distsync.convert_sync_batchnorm(nn.BatchNorm2d(4, momentum=None))
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    return model
+
+
+def _meta_layer_trains(rank, world_size, kind):
+    layer = _built_on_meta(kind)
+    x = torch.arange(24.0).view(3, 2, 2, 2).repeat(1, 2, 1, 1) + rank
+    layer(x).sum().backward()
+    return layer.running_mean, layer.running_var, layer._counters.calls.device.type
+
+
+@pytest.mark.parametrize("kind", ["device argument", "device context", "converted"])
+def test_a_layer_built_on_meta_materializes_and_syncs(kind):
+    reference = nn.BatchNorm2d(4, momentum=None)
+    reference(torch.cat([torch.arange(24.0).view(3, 2, 2, 2).repeat(1, 2, 1, 1) + r for r in range(2)]))
+    for running_mean, running_var, device in run_world(_meta_layer_trains, 2, kind):
+        torch.testing.assert_close(running_mean, reference.running_mean)
+        torch.testing.assert_close(running_var, reference.running_var)
+        assert device == "cpu"
