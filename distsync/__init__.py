@@ -12,6 +12,7 @@ from .groups import create_syncbn_process_group
 # The DataParallel compatibility shim's names are top-level too, so old imports need only a package rename.
 from .parallel import *  # noqa: E402, F403
 from .parallel import __all__ as _shim_names  # noqa: E402
+from .precise_bn import update_bn
 
 __all__ = [
     "BatchNormNd",
@@ -29,5 +30,6 @@ __all__ = [
     "launch",
     "name_layers",
     "revert_sync_batchnorm",
+    "update_bn",
     *_shim_names,
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,10 @@ from ._transport import Reducer, process_group_reducer
 from .functional import SyncBatchNormFunction
 
 __all__ = ["DistSyncBatchNorm", "DistSyncBatchNorm1d", "DistSyncBatchNorm2d", "DistSyncBatchNorm3d"]
+
+
+# Called with every synchronized layer and the input of each of its training calls (precise BN's recorder).
+_input_observers: list[Callable[[DistSyncBatchNorm, Tensor], None]] = []
 
 
 @functools.cache
@@ -247,6 +252,8 @@ class DistSyncBatchNorm(_BatchNorm):
         passes the factor its own forward computed, and no counter (that forward counted). A ``problem``
         (a message) makes every participant raise at this call, this one with ``ValueError(problem)``.
         """
+        for observe in _input_observers:
+            observe(self, input)
         channels = next((t.numel() for t in (weight, running_mean) if t is not None), self.num_features)
         if problem is None:
             problem = self._input_problem(input, channels, eps, check_dim)
