@@ -15,6 +15,7 @@ from . import _compiled
 from ._identity import SyncState, stamp_path
 from ._transport import Reducer, process_group_reducer
 from .functional import SyncBatchNormFunction
+from .groups import GroupSpec, as_process_group
 
 __all__ = ["DistSyncBatchNorm", "DistSyncBatchNorm1d", "DistSyncBatchNorm2d", "DistSyncBatchNorm3d"]
 
@@ -77,7 +78,8 @@ class DistSyncBatchNorm(_BatchNorm):
             average. Default: 0.1
         affine: learnable per-channel scale and shift. Default: ``True``
         track_running_stats: keep running mean and variance for eval mode. Default: ``True``
-        process_group: ranks whose statistics are combined. Default: ``None`` (the default group).
+        process_group: ranks whose statistics are combined: a process group, a one-dimensional
+            ``DeviceMesh`` or ``(mesh, dim)``. Default: ``None`` (the default group).
             PyTorch-Encoding's positional form ``DistSyncBatchNorm(C, eps, momentum, process_group)``
             is accepted too.
         bias: learnable per-channel shift (with ``affine``). Default: ``True``
@@ -100,7 +102,7 @@ class DistSyncBatchNorm(_BatchNorm):
         momentum: float | None = 0.1,
         affine: bool = True,
         track_running_stats: bool = True,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: GroupSpec = None,
         device=None,
         dtype=None,
         *,
@@ -123,9 +125,9 @@ class DistSyncBatchNorm(_BatchNorm):
         "_updates_running_stats",
     )
 
-    def _init_sync(self, process_group: dist.ProcessGroup | None) -> None:
+    def _init_sync(self, process_group: GroupSpec) -> None:
         """Add the synchronization state to a batch-norm layer (from the constructor, or on conversion)."""
-        self.process_group = process_group
+        self.process_group = as_process_group(process_group)
         self._sync_state = SyncState()
         self._replica_reducer: Reducer | None = None
         tensors = (*self._parameters.values(), *self._buffers.values())

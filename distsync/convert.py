@@ -11,6 +11,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from ._identity import record_tree
 from ._subclass import original_class, twin_class
 from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
+from .groups import GroupSpec
 
 __all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "BatchNormNd"]
 
@@ -60,7 +61,7 @@ def _sync_class(module: nn.Module) -> type[DistSyncBatchNorm] | None:
     return _TO_SYNC.get(type(module)) or twin_class(type(module))
 
 
-def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
+def convert_sync_batchnorm(module: nn.Module, process_group: GroupSpec = None) -> nn.Module:
     """Replace every batch-norm layer in ``module`` by its distsync twin, as PyTorch's converter does.
 
     ``nn.BatchNorm1d/2d/3d`` become ``DistSyncBatchNorm1d/2d/3d``, ``nn.SyncBatchNorm`` the rank-agnostic
@@ -75,8 +76,8 @@ def convert_sync_batchnorm(module: nn.Module, process_group: dist.ProcessGroup |
 
     Args:
         module: a module tree, or a single batch-norm layer
-        process_group: ranks to synchronize with. Default: ``None``: an ``nn.SyncBatchNorm``'s own group,
-            else the default group
+        process_group: ranks to synchronize with: a process group, a one-dimensional ``DeviceMesh`` or
+            ``(mesh, dim)``. Default: ``None``: an ``nn.SyncBatchNorm``'s own group, else the default group
 
     Returns:
         ``module`` with its batch-norm layers replaced (a new object if ``module`` itself is one).

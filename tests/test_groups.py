@@ -1,10 +1,19 @@
 """Synced BN within groups of k ranks equals float64 BatchNorm on each group's concatenated batch."""
 
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
 import torch
+from launching import job_env
+from node_group_worker import batch
 from torch import nn
 
 import distsync
-from distsync.testing import run_world
+from distsync.testing import free_port, run_world
 
 SIZES = (2, 3, 1, 4)  # per-rank batch sizes of a 4-rank world, groups {0, 1} and {2, 3}
 
@@ -81,3 +90,41 @@ def test_zero_and_the_world_size_are_the_same_group_size():
     (group0, mean0), (group1, mean1) = run_world(_zero_or_world, 2)
     assert group0 is None and group1 is None
     assert mean0 == mean1 == [0.05, 0.05]  # momentum 0.1 times the global mean 0.5
+
+
+@pytest.mark.slow
+def test_node_groups_and_mesh_dimensions_sync_within_each_node(tmp_path):
+    """Two torchrun agents on this machine, 2 ranks each: "node" groups and a DeviceMesh dimension give
+    each node the statistics of its own ranks' batches."""
+    script = Path(__file__).with_name("node_group_worker.py")
+    endpoint = f"localhost:{free_port()}"
+    args = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id=nodes-{uuid.uuid4().hex[:8]}",
+        str(script), str(tmp_path),
+    ]  # fmt: skip
+    env = job_env(PYTHONPATH=str(Path(__file__).parent))
+    agents = [
+        subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)
+    ]
+    outputs = [agent.communicate(timeout=240)[0].decode() for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], outputs
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    for rank, result in enumerate(results):
+        node = [0, 1] if rank < 2 else [2, 3]
+        assert result["node_ranks"] == node
+        expected = torch.cat([batch(r) for r in node]).mean(0)
+        torch.testing.assert_close(torch.tensor(result["node group"], dtype=torch.float64), 0.1 * expected)
+        assert result["mesh dim"] == result["node group"]
+
+
+def test_a_mesh_of_several_dimensions_needs_a_dimension():
+    class FakeMesh:  # DeviceMesh's interface: ndim, mesh_dim_names, get_group
+        ndim, mesh_dim_names = 2, ("dp", "tp")
+
+        def get_group(self, dim=None):
+            return f"group of {dim}"
+
+    with pytest.raises(ValueError, match=r"Pass \(mesh, dim\), with dim one of \['dp', 'tp'\]"):
+        distsync.DistSyncBatchNorm2d(3, process_group=FakeMesh())
+    assert distsync.DistSyncBatchNorm2d(3, process_group=(FakeMesh(), "dp")).process_group == "group of dp"
