@@ -28,6 +28,7 @@ selects its tail as a view: no host-to-device copy per call.
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import weakref
@@ -52,6 +53,7 @@ MAX_WORLD_SIZE = int(_EXACT**0.5) // _BLOCK
 
 
 MIN_PAYLOAD = 256
+KEPT_CALLS = 16  # recent calls whose statistics a layer keeps for checkpointing's recomputation
 
 
 def payload_size(num_channels: int) -> int:
@@ -245,6 +247,7 @@ class SyncState:
         self.shift_ref: Tensor | None = None  # variance of the call the shift was judged against
         self._tables: dict = {}
         self.scratch: dict = {}  # small per-device tensors reused call after call
+        self.kept: collections.deque = collections.deque(maxlen=KEPT_CALLS)  # for _checkpointing
 
     def __deepcopy__(self, memo) -> SyncState:
         return SyncState(self.layer_name, self.copies + 1, self.path, self.name)

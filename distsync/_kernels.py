@@ -87,7 +87,7 @@ class CudaKernels:
     @classmethod
     def normalize(cls, local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:
         dtype = stat_dtype(local.z.dtype)
-        stats = _as(rows, dtype)  # mean, biased var, unbiased var
+        stats = rows.to(dtype, copy=True)  # mean, biased var, unbiased var: worked on in place below
         # batch_norm_elemt reads mean and invstd as the accumulate type: float32 for float32 and half
         # inputs, float64 for float64 (packed_accessor_or_dummy<stat_accscalar_t>).
         kept = ((stats[1] >= eps).to(dtype),) if clip else ()  # channels whose variance is not clipped

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
+from . import _checkpointing
 from .batchnorm import DistSyncBatchNorm
 
 __all__ = ["original_class", "twin_class"]
@@ -87,8 +88,15 @@ def _twin_forward(twin: type):
         if not self.training:
             return original(*args, **kwargs)
         route = _RouteBatchNorm(self)
-        with route:
-            output = original(*args, **kwargs)
+        counted = self.num_batches_tracked
+        recomputed = counted is not None and _checkpointing.recomputing()
+        before = counted.clone() if recomputed else None  # checkpointing runs the forward again
+        try:
+            with route:
+                output = original(*args, **kwargs)
+        finally:
+            if recomputed:  # counted once, as without checkpointing (which may stop a recomputation early)
+                counted.copy_(before)
         if route.calls == 0:
             _refuse(self, args)
         return output

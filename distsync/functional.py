@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import _health, _moments
+from . import _checkpointing, _health, _moments
 from ._identity import BACKWARD, COUNT, FORWARD, CallTag, SyncState, failed_row
 from ._kernels import _as, kernels_for
 from ._transport import Reducer
@@ -118,42 +120,29 @@ class SyncBatchNormFunction(torch.autograd.Function):
         state: SyncState,
         problem: str | None,
     ) -> Tensor:
-        tag = state.next_tag(FORWARD)
         kernels = kernels_for(input.device)
-        row = state.tail(tag, reducer.world_size, reducer.first, input.device, num_features)
         count = 0 if problem else input.numel() // max(num_features, 1)
-        keeps_shift = _keeps_shift(input, kernels)
-        if state.shift is not None and state.shift.device != input.device:
-            state.shift = state.shift_ref = None  # the layer moved: start again from zero
         local = None if problem is not None or count == 0 else kernels.local(input)
-        shift = state.shift if keeps_shift else None
-        payload = _pack(local, shift, count, row, num_features, problem)
-        _all_reduce(reducer, payload, tag)
-        verdict = _check(payload, tag, reducer, problem, True, kernels)
-        stats = _moments.merge(payload, num_features, state.scratch)
-        mean, biased, unbiased = stats.rows.unbind()  # mean - shift, biased and unbiased variance (float64)
-        if keeps_shift and _shift_costs_accuracy(mean, biased, eps, input.device, kernels.deferred):
-            # Rare, CPU only, decided from reduced values on every rank: merge again around this mean.
-            shift = mean if shift is None else mean + shift
-            shift = torch.where(shift.isfinite(), shift, 0.0)
-            payload = _pack(local, shift, count, row, num_features, None)
-            _all_reduce(reducer, payload, tag)
-            verdict = _check(payload, tag, reducer, None, True, kernels)
-            stats = _moments.merge(payload, num_features, state.scratch)
-            mean, biased, unbiased = stats.rows.unbind()
-        rows = stats.rows
-        if shift is not None:
-            mean.add_(shift)  # rows[0] too: now the global mean itself
-        if keeps_shift:
-            _moments.update_shift(state, mean, biased)
-        normalized = None if local is None else kernels.normalize(local, weight, bias, rows, eps, clip)
-        if running_mean is not None and running_var is not None:
+        # Recomputed by activation checkpointing: the original call's statistics, no all-reduce, no update.
+        recomputing = problem is None and _checkpointing.recomputing()
+        reduced = None
+        stats = None
+        if recomputing and local is not None:
+            stats = _checkpointing.find(state, input, local, host_reads=not kernels.deferred)
+        if stats is None and not (recomputing and local is None):
+            reduced = _reduce(input, local, count, num_features, reducer, state, problem, eps, kernels)
+            stats = reduced.stats
+            if not recomputing:
+                _checkpointing.keep(state, input, local, stats)
+        normalized = None if local is None else kernels.normalize(local, weight, bias, stats.rows, eps, clip)
+        if reduced is not None and not recomputing and running_mean is not None and running_var is not None:
+            mean, _, unbiased = stats.rows.unbind()
             ends = (mean, unbiased) if normalized is None else normalized.running
             buffers = (running_mean, running_var, num_batches_tracked)
-            if verdict is not None:
-                _update_running_stats_read(buffers, momentum, ends, verdict.count)
+            if reduced.verdict is not None:
+                _update_running_stats_read(buffers, momentum, ends, reduced.verdict.count)
             else:
-                _update_running_stats(state, buffers, momentum, payload, ends, guard_count=count <= 1)
+                _update_running_stats(state, buffers, momentum, reduced.payload, ends, guard_count=count <= 1)
         ctx.param_dtype = None if weight is None else weight.dtype
         ctx.num_features = num_features
         ctx.reducer, ctx.state, ctx.kernels = reducer, state, kernels
@@ -190,6 +179,41 @@ class SyncBatchNormFunction(torch.autograd.Function):
         grad_weight = _as(grad_weight, ctx.param_dtype) if need_weight else None
         grad_bias = _as(grad_bias, ctx.param_dtype) if need_bias else None
         return grad_input, grad_weight, grad_bias, *nones
+
+
+class _Reduced(NamedTuple):
+    stats: _moments.Stats  # rows: the global mean, biased and unbiased variance
+    verdict: _moments.Verdict | None  # read on the host (None: deferred to the device)
+    payload: Tensor  # the reduced payload, whose tail the deferred running-statistics update reads
+
+
+def _reduce(input, local, count, num_features, reducer, state, problem, eps, kernels) -> _Reduced:
+    """This call's global statistics: its all-reduce (two where the first merge lost digits)."""
+    tag = state.next_tag(FORWARD)
+    row = state.tail(tag, reducer.world_size, reducer.first, input.device, num_features)
+    keeps_shift = _keeps_shift(input, kernels)
+    if state.shift is not None and state.shift.device != input.device:
+        state.shift = state.shift_ref = None  # the layer moved: start again from zero
+    shift = state.shift if keeps_shift else None
+    payload = _pack(local, shift, count, row, num_features, problem)
+    _all_reduce(reducer, payload, tag)
+    verdict = _check(payload, tag, reducer, problem, True, kernels)
+    stats = _moments.merge(payload, num_features, state.scratch)
+    mean, biased, _ = stats.rows.unbind()  # mean - shift, biased and unbiased variance (float64)
+    if keeps_shift and _shift_costs_accuracy(mean, biased, eps, input.device, kernels.deferred):
+        # Rare, CPU only, decided from reduced values on every rank: merge again around this mean.
+        shift = mean if shift is None else mean + shift
+        shift = torch.where(shift.isfinite(), shift, 0.0)
+        payload = _pack(local, shift, count, row, num_features, None)
+        _all_reduce(reducer, payload, tag)
+        verdict = _check(payload, tag, reducer, None, True, kernels)
+        stats = _moments.merge(payload, num_features, state.scratch)
+        mean, biased, _ = stats.rows.unbind()
+    if shift is not None:
+        mean.add_(shift)  # rows[0] too: now the global mean itself
+    if keeps_shift:
+        _moments.update_shift(state, mean, biased)
+    return _Reduced(stats, verdict, payload)
 
 
 def _sync_backward(ctx, first: Tensor, second: Tensor) -> Tensor:
