@@ -8,6 +8,7 @@ from .distributed import init_distributed
 from .elastic import LaunchError, launch
 from .errors import SyncError, SyncMismatchError
 from .groups import create_syncbn_process_group
+from .join import joinable
 
 # The DataParallel compatibility shim's names are top-level too, so old imports need only a package rename.
 from .parallel import *  # noqa: E402, F403
@@ -27,6 +28,7 @@ __all__ = [
     "create_syncbn_process_group",
     "convert_sync_batchnorm",
     "init_distributed",
+    "joinable",
     "launch",
     "name_layers",
     "revert_sync_batchnorm",

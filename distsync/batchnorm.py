@@ -20,8 +20,9 @@ from .groups import GroupSpec, as_process_group
 __all__ = ["DistSyncBatchNorm", "DistSyncBatchNorm1d", "DistSyncBatchNorm2d", "DistSyncBatchNorm3d"]
 
 
-# Called with every synchronized layer and the input of each of its training calls (precise BN's recorder).
-_input_observers: list[Callable[[DistSyncBatchNorm, Tensor], None]] = []
+# Called after every training call of a synchronized layer with its input and synchronized output (None where
+# it normalized locally): the recorders of precise BN and of Join.
+_call_observers: list[Callable[[DistSyncBatchNorm, Tensor, Tensor | None], None]] = []
 
 
 @functools.cache
@@ -254,8 +255,26 @@ class DistSyncBatchNorm(_BatchNorm):
         passes the factor its own forward computed, and no counter (that forward counted). A ``problem``
         (a message) makes every participant raise at this call, this one with ``ValueError(problem)``.
         """
-        for observe in _input_observers:
-            observe(self, input)
+        output = self._synced_output(
+            input,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            num_batches_tracked,
+            momentum,
+            eps,
+            check_dim,
+            problem,
+        )
+        for observe in _call_observers:
+            observe(self, input, output)
+        return output
+
+    def _synced_output(
+        self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, check_dim,
+        problem,
+    ) -> Tensor | None:  # fmt: skip
         channels = next((t.numel() for t in (weight, running_mean) if t is not None), self.num_features)
         if problem is None:
             problem = self._input_problem(input, channels, eps, check_dim)

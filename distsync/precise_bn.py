@@ -84,17 +84,17 @@ def update_bn(
     modes = {m: m.training for m in model.modules()}
     moments: dict[DistSyncBatchNorm, _Moments] = {}
 
-    def observe(layer: DistSyncBatchNorm, input: Tensor) -> None:
+    def observe(layer: DistSyncBatchNorm, input: Tensor, output: Tensor | None) -> None:
         if layer in saved and input.numel():
             batch = _Moments.of(input)
             moments[layer] = moments[layer].merge(batch) if layer in moments else batch
 
-    batchnorm._input_observers.append(observe)
+    batchnorm._call_observers.append(observe)
     model.train()
     try:
         _run(loader, model, device, num_batches)
     finally:
-        batchnorm._input_observers.remove(observe)
+        batchnorm._call_observers.remove(observe)
         for module, training in modes.items():
             module.train(training)
         for module, values in saved.items():
