@@ -65,3 +65,27 @@ def test_post_local_sgd_resume_reproduces_the_uninterrupted_losses(tmp_path, mon
     assert straight["restarts"] == 0 and resumed["restarts"] == 1 and resumed["resumed_from_step"] == 20
     assert _train_losses(tmp_path / "resumed") == _train_losses(tmp_path / "straight")
     assert resumed["final_loss"] == straight["final_loss"] and resumed["accuracy"] == straight["accuracy"]
+
+
+@pytest.mark.slow
+def test_precise_bn_changes_the_statistics_and_nothing_else(tmp_path):
+    """trainer.precise_bn_batches: before each evaluation the synced layers' statistics are recomputed
+    (distsync.update_bn) on batches drawn apart from the training order, so training is unchanged."""
+    import torch
+
+    models = {}
+    for batches in (0, 4):
+        trainer = TrainerConfig(
+            max_steps=20, max_restarts=0, log_every=10, eval_every=10, checkpoint_every=20,
+            monitor_interval=0.2, precise_bn_batches=batches,
+        )  # fmt: skip
+        run_dir = tmp_path / f"precise{batches}"
+        summary = launch(TrainConfig(data=DataConfig(batch_size=16), trainer=trainer), str(run_dir))
+        assert summary["bn_buffers_in_sync"] is True and summary["steps"] == 20
+        models[batches] = torch.load(run_dir / "model_inference.pt", weights_only=False).state_dict()
+    plain, precise = models[0], models[4]
+    for key, value in plain.items():
+        if "running_" in key:
+            assert not torch.allclose(value, precise[key]), key  # recomputed
+        else:  # parameters and num_batches_tracked: the same training
+            torch.testing.assert_close(value, precise[key], rtol=0, atol=0, msg=key)

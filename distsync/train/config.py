@@ -170,6 +170,9 @@ class TrainerConfig:
     """Steps between metric lines (loss reduced across ranks)."""
     eval_every: int = 250
     """Steps between held-out evaluations; there is always one at the end."""
+    precise_bn_batches: int = 0
+    """Before each held-out evaluation, set the synced BN statistics to those of this many training batches
+    per rank (``distsync.update_bn``, precise BN); 0: off."""
     seed: int = 0
     """Seed of the model init and the sampler; each rank's RNG is seeded with ``seed + rank``."""
     backend: str = "auto"
@@ -220,6 +223,12 @@ class TrainerConfig:
         )
         _require(self.log_every >= 1, "trainer.log_every", "must be >= 1", self.log_every)
         _require(self.eval_every >= 1, "trainer.eval_every", "must be >= 1", self.eval_every)
+        _require(
+            self.precise_bn_batches >= 0,
+            "trainer.precise_bn_batches",
+            "must be >= 0",
+            self.precise_bn_batches,
+        )
         _require(self.timeout_s > 0, "trainer.timeout_s", "must be > 0", self.timeout_s)
         _require(self.monitor_interval > 0, "trainer.monitor_interval", "must be > 0", self.monitor_interval)
         _one_of("trainer.metric", self.metric, METRICS)

@@ -32,6 +32,7 @@ OPERATIONAL = frozenset(
         "trainer.keep_checkpoints",
         "trainer.log_every",
         "trainer.eval_every",
+        "trainer.precise_bn_batches",  # recomputes BN statistics before evaluations: the training is the same
         "trainer.backend",
         "trainer.timeout_s",
         "trainer.metric",

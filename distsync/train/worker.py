@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import gc
 import inspect
+import itertools
 import math
 import os
 import random
@@ -182,24 +183,24 @@ class _Trainer:
 
     def _load_data(self, cfg: TrainConfig) -> None:
         """Training batches and held-out data: the built-in tensors, or the ``data.train/test`` datasets."""
-        seed = cfg.trainer.seed
         if not cfg.data.train:
-            train, self.test, self.num_classes = load_data(cfg.data)
-            self.batches = ShardedBatches(train, cfg.data.batch_size, self.rank, self.world_size, seed)
-            self.in_channels = train[0].shape[1]
-            return
-        train, self.test = build_datasets(cfg.data)
-        self.batches = LoaderBatches(
-            train,
-            cfg.data.batch_size,
-            self.rank,
-            self.world_size,
-            seed,
-            cfg.data.num_workers,
-            pin_memory=self.device.type == "cuda",
+            self.train, self.test, self.num_classes = load_data(cfg.data)
+            self.in_channels = self.train[0].shape[1]
+        else:
+            self.train, self.test = build_datasets(cfg.data)
+            self.num_classes = cfg.data.num_classes
+            self.in_channels = None if cfg.model.factory else self.train[0][0].shape[0]
+        self.batches = self._training_batches(cfg.trainer.seed)
+
+    def _training_batches(self, seed: int) -> ShardedBatches | LoaderBatches:
+        """This rank's endless training batches, shuffled with ``seed``."""
+        d = self.cfg.data
+        if not d.train:
+            return ShardedBatches(self.train, d.batch_size, self.rank, self.world_size, seed)
+        pin_memory = self.device.type == "cuda"
+        return LoaderBatches(
+            self.train, d.batch_size, self.rank, self.world_size, seed, d.num_workers, pin_memory=pin_memory
         )
-        self.num_classes = cfg.data.num_classes
-        self.in_channels = None if cfg.model.factory else train[0][0].shape[0]
 
     def _wrap_ddp(self) -> torch.nn.Module:
         if not is_distributed():
@@ -322,8 +323,7 @@ class _Trainer:
         total = torch.zeros((), device=self.device)
         for micro in range(t.grad_accum_steps):
             inputs, labels = (x.to(self.device, non_blocking=True) for x in next(batches))
-            if t.channels_last and inputs.dim() == 4:
-                inputs = inputs.contiguous(memory_format=torch.channels_last)
+            inputs = self._laid_out(inputs)
             last = micro == t.grad_accum_steps - 1
             no_sync = getattr(self.ddp, "no_sync", None)
             with contextlib.nullcontext() if last or no_sync is None else no_sync():
@@ -360,14 +360,14 @@ class _Trainer:
         """Held-out top-1 accuracy, loss and top-5 accuracy (None with 5 classes or fewer), each rank on its
         share, summed across ranks."""
         d = self.cfg.data
+        if self.cfg.trainer.precise_bn_batches:
+            self._precise_bn()
         # loss sum, top-1 correct, count, top-5 correct
         totals = torch.zeros(4, dtype=torch.float64, device=self.device)
         classes = 0
         self.model.eval()
         for x, y in eval_batches(self.test, self.rank, self.world_size, 1024, d.num_workers):
-            x, y = x.to(self.device), y.to(self.device)
-            if self.cfg.trainer.channels_last and x.dim() == 4:
-                x = x.contiguous(memory_format=torch.channels_last)
+            x, y = self._laid_out(x.to(self.device)), y.to(self.device)
             with self.autocast():
                 logits = self.model(x).float()
             classes = logits.shape[1]
@@ -389,6 +389,27 @@ class _Trainer:
         self.metrics.write(kind="eval", step=self.step, **row)
         self.log.info("step %d: held-out %s", self.step, ", ".join(f"{k} {v:.4f}" for k, v in row.items()))
         return accuracy, eval_loss, top5
+
+    def _laid_out(self, images: torch.Tensor) -> torch.Tensor:
+        """Model inputs in the configured memory format."""
+        if self.cfg.trainer.channels_last and images.dim() == 4:
+            return images.contiguous(memory_format=torch.channels_last)
+        return images
+
+    def _precise_bn(self) -> None:
+        """Precise BN: the synced layers' statistics over ``trainer.precise_bn_batches`` training batches
+        per rank, drawn apart from the training order (which a resumed run must see unchanged)."""
+        t = self.cfg.trainer
+        batches = itertools.islice(iter(self._training_batches(t.seed + 1 + self.step)), t.precise_bn_batches)
+        memory_format = torch.channels_last if t.channels_last else torch.contiguous_format
+        inputs = (
+            x.to(self.device).contiguous(
+                memory_format=memory_format if x.dim() == 4 else torch.contiguous_format
+            )
+            for x, _ in batches
+        )
+        with self.autocast():
+            distsync.update_bn(inputs, self.model)
 
     def _final_loss(self) -> float:
         """The mean training loss of the last ``FINAL_LOSS_STEPS`` steps over every rank: unlike the logged
