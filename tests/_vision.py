@@ -8,11 +8,12 @@ transforms are pure Python and need none of its ops, so defining those two schem
 torchvision's first import is enough to use them; calling ``torchvision.ops.nms`` still raises. Where the
 extension loads, nothing is changed.
 
-:func:`ensure_importable` does that in this process. ``conftest.py`` calls it for the pytest process; the test
-modules that use torchvision call it at import too, for the workers of ``distsync.testing.run_world`` (which
-import the test module to find their function, not ``conftest.py``). A launched command gets
-``PYTHONPATH=python_path()``, whose ``sitecustomize.py`` runs it at the start of each of its processes. The
-distsync package never imports this module.
+Once torchvision is installed, whatever imports it must be able to: Lightning does (through torchmetrics).
+:func:`ensure_importable` makes it importable in this process. ``conftest.py`` calls it for the pytest
+process; test modules whose code imports torchvision call it at import too, for the workers of
+``distsync.testing.run_world`` (which import the test module to find their function, not ``conftest.py``).
+A launched command gets ``PYTHONPATH=python_path()``, whose ``sitecustomize.py`` runs it at the start of each
+of its processes. The distsync package never imports this module.
 """
 
 from __future__ import annotations
@@ -55,14 +56,15 @@ def _extension_loads(package_dir: Path) -> bool:
 def ensure_importable() -> bool:
     """Make ``import torchvision`` work in this process; return whether torchvision is installed.
 
-    Idempotent. Does nothing when torchvision is already imported or its compiled ops load.
+    Idempotent. Does nothing when torchvision is already imported, its ops are defined (by an earlier call,
+    through another copy of this module too) or its compiled ops load.
     """
     global _library
-    if "torchvision" in sys.modules or _library is not None:
-        return True
     spec = importlib.util.find_spec("torchvision")
     if spec is None or not spec.submodule_search_locations:
         return False
+    if "torchvision" in sys.modules or hasattr(torch.ops.torchvision, "nms"):
+        return True
     if not _extension_loads(Path(next(iter(spec.submodule_search_locations)))):
         _library = torch.library.Library("torchvision", "DEF")
         for schema in _SCHEMAS:
@@ -70,6 +72,10 @@ def ensure_importable() -> bool:
     return True
 
 
-def python_path() -> str:
-    """A ``PYTHONPATH`` for a launched command whose processes should import torchvision like the tests."""
-    return os.pathsep.join(filter(None, [str(_SITE_DIR), os.environ.get("PYTHONPATH")]))
+def python_path(*paths: str) -> str:
+    """A ``PYTHONPATH`` (``paths``, then this environment's) for a command whose processes import torchvision.
+
+    Give it to every subprocess that may import torchvision, directly or not: Lightning imports torchmetrics,
+    which imports torchvision when it is installed.
+    """
+    return os.pathsep.join(filter(None, [str(_SITE_DIR), *paths, os.environ.get("PYTHONPATH")]))

@@ -81,6 +81,7 @@ def batch(count: int, seed: int, size: int = SIZE) -> tuple[torch.Tensor, torch.
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Norm of the difference over the reference's norm (0 for an empty slice)."""
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
     if expected.numel() == 0:
         return 0.0
     difference = (actual.detach().double() - expected.detach()).norm().item()
@@ -123,6 +124,7 @@ def statistics_error(model: nn.Module, reference: nn.Module) -> float:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_converted_equals_original_in_one_process(name):
+    close = TOLERANCE[torch.float32]  # the same computation, perhaps rounded in another order
     original = build(name)
     converted = distsync.convert_sync_batchnorm(copy.deepcopy(original))
     layers, originals = norm_layers(converted), norm_layers(original)
@@ -133,22 +135,19 @@ def test_converted_equals_original_in_one_process(name):
             assert isinstance(layer, type(originals[key])), key
     assert converted.state_dict().keys() == original.state_dict().keys()
 
-    images, _, _ = batch(4, seed=1)
-    images = images.float()
-    for step in range(2):  # training mode: batch statistics, running statistics updated
-        x = images + step
-        torch.testing.assert_close(converted(x), original(x))
-    for key, layer in layers.items():
-        torch.testing.assert_close(layer.running_mean, originals[key].running_mean, msg=key)
-        torch.testing.assert_close(layer.running_var, originals[key].running_var, msg=key)
-        assert layer.num_batches_tracked == originals[key].num_batches_tracked == 2, key
-    converted.eval(), original.eval()
-    torch.testing.assert_close(converted(images), original(images))
+    images = batch(4, seed=1)[0].float()
+    with torch.no_grad():
+        for step in range(2):  # training mode: batch statistics, running statistics updated
+            assert relative_error(converted(images + step), original(images + step)) <= close
+        assert statistics_error(converted, original) <= close
+        assert all(m.num_batches_tracked == 2 for m in layers.values())
+        converted.eval(), original.eval()
+        assert relative_error(converted(images), original(images)) <= close
 
-    reverted = distsync.revert_sync_batchnorm(converted)
-    for key, layer in norm_layers(reverted).items():
-        assert type(layer) is type(originals[key]), key
-    torch.testing.assert_close(reverted(images), original(images))
+        reverted = distsync.revert_sync_batchnorm(converted)
+        for key, layer in norm_layers(reverted).items():
+            assert type(layer) is type(originals[key]), key
+        assert relative_error(reverted(images), original(images)) <= close
 
 
 # -- gloo worlds ---------------------------------------------------------------------------------------
