@@ -1,5 +1,8 @@
+import _vision
 import pytest
 import torch
+
+_vision.ensure_importable()  # torchvision's models importable beside the CPU torch (see _vision.py)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,10 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import _vision
 import pytest
 import torch
 
 from distsync.testing import run_world
+
+# Lightning imports torchmetrics, which imports torchvision if installed: here and in run_world's workers
+_vision.ensure_importable()
 
 PACKAGES = [
     pytest.param(
@@ -24,7 +28,7 @@ PACKAGES = [
 def fit(tmp_path: Path, package: str, devices: int, group_size: int) -> list[dict]:
     """Run tests/lightning_app.py; every rank's report."""
     app = Path(__file__).with_name("lightning_app.py")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": _vision.python_path(str(Path(__file__).parents[1]))}
     args = [sys.executable, str(app), str(tmp_path), package, str(devices), str(group_size)]
     run = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import _vision
 import pytest
 import torch
 from launching import FAST, SCRIPT, run_job
@@ -131,5 +132,6 @@ def test_resnet18_on_fake_data(tmp_path):
         ],
         cwd=tmp_path,
         timeout=300,
+        PYTHONPATH=_vision.python_path(),  # every process of the job imports torchvision like the tests
     )
     assert proc.returncode == 0
