@@ -61,12 +61,15 @@ def _buffer_math_dtype(buffer: Tensor) -> torch.dtype:
 
 def _lerp_buffers(buffers, ends, weight: float | Tensor, dtype: torch.dtype) -> None:
     """``buffer += weight * (end - buffer)`` for each pair, computed in ``dtype`` (float32 for half
-    buffers, where ``1 / num_batches_tracked`` does not underflow)."""
+    buffers, where ``1 / num_batches_tracked`` does not underflow). A half buffer takes
+    ``nn.BatchNorm``'s form, ``(1 - weight) * buffer + weight * end``: a variance beyond fp16's range
+    stays inf there, as in ``nn.BatchNorm``, where ``lerp`` would make it NaN (``inf - inf``) one call
+    later."""
     for buffer, end in zip(buffers, ends, strict=True):
         if buffer.dtype == dtype:
             buffer.lerp_(end, weight)
         else:
-            buffer.copy_(torch.lerp(buffer.to(dtype), end, weight))
+            buffer.copy_(buffer.to(dtype).mul_(1 - weight).add_(end * weight))
 
 
 def _update_running_stats(
