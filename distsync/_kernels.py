@@ -180,16 +180,15 @@ class CpuKernels:
         mean = global_mean if local.origin is None else global_mean - local.origin
         var = biased.clamp_min(eps) if clip else biased
         eps_used = 0.0 if clip else eps
-        # The kernel computes z * scale + shift. Its own scale, weight / sqrt(var + eps) from a float32
-        # var, is rounded five times (nn.BatchNorm's twice): here scale and shift = bias - mean * scale are
-        # rounded once each from float64, and given as eval-mode batch norm around 0 with variance 0 + 1.
+        # The kernel computes z * scale + (bias - mean * scale). Its own scale, weight / sqrt(var + eps)
+        # from a float32 var, is rounded five times (nn.BatchNorm's twice): here it is rounded once from
+        # float64 and given as the weight, with variance 0 + eps 1 (invstd exactly 1).
         scale = (var if clip else var + eps).rsqrt()
         if weight is not None:
             scale = scale * weight
-        shift = -mean * scale if bias is None else torch.addcmul(bias, mean, scale, value=-1)
-        scale, shift, mean, var = torch.stack([scale, shift, mean, var]).to(dtype).unbind()
+        scale, mean, var = torch.stack([scale, mean, var]).to(dtype).unbind()
         zeros = torch.zeros_like(mean)
-        output = torch.batch_norm(local.z, scale, shift, zeros, zeros, False, 0.0, 1.0, False)
+        output = torch.batch_norm(local.z, scale, _as(bias, dtype), mean, zeros, False, 0.0, 1.0, False)
         kept = ((biased >= eps).to(dtype),) if clip else ()
         return Normalized(output, (mean, var, *kept), (global_mean, unbiased), eps_used)
 
