@@ -199,3 +199,45 @@ def test_float32_two_ranks(size):
     if size == "16k":
         cases.append(Case(SIZES[size], generic=True, steps=STEPS[size]))
     _check(cases, run_world(_world_errors, 2, cases))
+
+
+LAYOUTS = [  # (shape, memory format, cut into blocks): every branch of _sums.blocks
+    ((2, 3), None, False),  # 2D, short: one block per channel
+    ((2000, 5), None, True),  # 2D: blocks of rows
+    ((4, 3, 7), None, False),  # short planes
+    ((4, 3, 1000), None, True),  # 1D planes cut into runs
+    ((3, 2, 1021), None, False),  # a prime plane length: one run
+    ((4, 3, 64, 64), None, True),
+    ((4, 3, 64, 64), torch.channels_last, True),
+    ((2, 3, 5, 33, 33), None, True),
+    ((2, 3, 5, 33, 33), torch.channels_last_3d, True),
+    ((1, 3, 4, 1024), None, True),  # one sample: no rows to group
+    ((8, 3, 7, 7), torch.channels_last, False),
+]
+
+
+@pytest.mark.parametrize(("shape", "memory_format", "cut"), LAYOUTS)
+def test_blocked_sums_equal_float64_sums_in_every_layout(shape, memory_format, cut):
+    from distsync import _sums
+
+    gen = torch.Generator().manual_seed(0)
+    z, dy = (torch.randn(shape, generator=gen) + 0.3 for _ in range(2))
+    if memory_format is not None:
+        z, dy = (t.contiguous(memory_format=memory_format) for t in (z, dy))
+    assert (_sums.blocks(tuple(z.shape), tuple(z.stride())) is not None) == cut
+    mean, var = torch.randn(shape[1], generator=gen) * 0.1, torch.rand(shape[1], generator=gen) + 0.5
+    dims = [0, *range(2, z.dim())]
+    z64, dy64 = z.double(), dy.double()
+    stats = [t.double().view(1, -1, *[1] * (z.dim() - 2)) for t in (mean, var)]
+    x_hat = (z64 - stats[0]) / (stats[1] + 1e-5).sqrt()
+    # the sums of a * b: sum(z), sum(z^2), sum(dy), sum(dy * x_hat)
+    expected = [(z64, 1.0), (z64, z64), (dy64, 1.0), (dy64, x_hat)]
+    # dy laid out like z (cut into blocks like z), and unlike it (summed as it is, one block per channel)
+    unlike = (
+        dy.contiguous() if memory_format is not None else dy.transpose(0, -1).contiguous().transpose(0, -1)
+    )
+    for dy_layout in (dy, unlike):
+        found = (*_sums.moment_sums(z), *_sums.gradient_sums(dy_layout, z, mean, var, 1e-5))
+        for value, (a, b) in zip(found, expected, strict=True):
+            total, scale = (a * b).sum(dims), (a * b).abs().sum(dims)
+            assert ((value.double() - total).abs() / scale).max() < 1e-6
