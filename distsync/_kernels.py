@@ -237,7 +237,7 @@ class GenericKernels:
     """Any other accelerator: ``var_mean``, sums and elementwise ops, which every backend implements.
 
     The same payload as the other devices and the same backward sums as the CPU (``sum(dy)``,
-    ``sum(dy * x_hat)``). Like the CPU it works on the input shifted by one sample's values (a copy in the
+    ``sum(dy * x_hat)``). Like the CPU it works on the input shifted by a value near its mean (a copy in the
     statistics' dtype, float32 at least), so a mean far from zero keeps its accuracy; dedicated kernels
     would spare that copy.
     """
