@@ -7,8 +7,10 @@ same merged statistics; they differ in the kernels that touch the activation:
   uses there, read against PyTorch's ``aten/src/ATen/native/cuda/Normalization.cu``/``.cuh``: the
   activation is read once for the statistics and once to normalize; backward reads ``dy`` and the input
   once to reduce and once for ``dx``. Three of those four ops exist for CUDA only.
-* The CPU normalizes the input shifted by one sample's values (a materialized copy), because its
-  batch-norm kernels compute ``x * a + b`` and would round away a mean far from zero.
+* The CPU normalizes the input shifted by a value near its mean (a materialized copy), because its
+  batch-norm kernels compute ``x * a + b`` and would round away a mean far from zero. Its reductions
+  (``_sums``) are the float32 kernels of eval-mode BN backward, fed blocks short enough to keep
+  ``nn.BatchNorm``'s accuracy.
 * Every other device (MPS, XPU, ...) gets :class:`GenericKernels`: reductions and elementwise ops every
   backend implements, the same payload, no host sync.
 
@@ -25,6 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from . import _sums
 from ._moments import stat_dtype
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -35,10 +38,24 @@ def per_channel(values: Tensor, ndim: int) -> Tensor:
     return values.view(1, -1, *([1] * (ndim - 2)))
 
 
-def first_sample(input: Tensor) -> Tensor:
-    """The (C,) values of the first position of the first sample, ``input[0, :, 0, ...]``: one view op
-    whatever the layout."""
-    return input.as_strided((input.shape[1],), (input.stride(1),), input.storage_offset())
+SPREAD = 4  # positions per non-channel dimension averaged into the shift's origin
+
+
+def origin(input: Tensor) -> Tensor:
+    """A per-channel value near the batch's mean, to subtract before summing: the mean of ``SPREAD``
+    evenly spread positions along every non-channel dimension (64 values of a 4D input: one strided view,
+    whatever the layout), 0 where it is not finite, so that an inf stays an inf as in ``nn.BatchNorm``.
+
+    The nearer the origin is to the mean, the fewer digits the shifted sums and the normalization of
+    the shifted input lose: one sample's values are a standard deviation or more away, the mean of 64
+    about a tenth of one, which keeps float32 outputs as accurate as ``nn.BatchNorm``'s."""
+    sizes, strides = [input.shape[1]], [input.stride(1)]
+    for dim in (0, *range(2, input.dim())):
+        size = input.shape[dim]
+        sizes.append(min(size, SPREAD))
+        strides.append(input.stride(dim) * max(size // SPREAD, 1))
+    spread = input.as_strided(sizes, strides, input.storage_offset())
+    return spread.mean(tuple(range(1, len(sizes)))).nan_to_num_(0.0, 0.0, 0.0)
 
 
 class Local(NamedTuple):
@@ -139,23 +156,22 @@ class CpuKernels:
     @staticmethod
     def local(input: Tensor) -> Local:
         if input.dtype in _HALF:
-            # Mean and biased variance straight from the half input, accumulated in float32 without a
-            # float32 copy of it.
-            mean, var = torch.batch_norm_update_stats(input, None, None, 0.0)
+            # Mean and biased variance straight from the half input, without a float32 copy of it. The
+            # kernel's parameter type is that of the running buffers (the input's without them: half
+            # statistics, whose variance overflows at std 256): float32 scratch buffers, left as they were
+            # by momentum 0, make it return float32 statistics, accumulated in float32 (Normalization.cpp's
+            # mixed-type path, batch_norm_kernel.cpp's opmath accumulation).
+            scratch = input.new_empty((2, input.shape[1]), dtype=torch.float32)
+            mean, var = torch.batch_norm_update_stats(input, scratch[0], scratch[1], 0.0)
             return Local(input, mean, var, None)
-        # Any in-batch value is within a few standard deviations of the mean: shift by the first sample's
-        # (by 0 where it is not finite, so that an inf stays an inf as in nn.BatchNorm).
-        origin = first_sample(input).nan_to_num(0.0, 0.0, 0.0)
-        z = input - per_channel(origin, input.dim())
-        # sum(z) and sum(z * (input - origin)) = sum(z^2) in one pass: exactly what eval-mode BN backward
-        # reduces (7x faster here than batch_norm_update_stats' two passes on the CPU).
-        _, sum_sq, sum_z = torch.ops.aten.native_batch_norm_backward(
-            z, input, None, origin, torch.ones_like(origin), None, None, False, 0.0, [False, True, True]
-        )
+        # Shifted near the mean, the sums keep the input's precision however far the mean is from zero.
+        center = origin(input)
+        z = input - per_channel(center, input.dim())
         count = z.numel() // z.shape[1]
-        mean, mean_sq = (torch.stack([sum_z, sum_sq]).double() / count).unbind()
+        sums = _sums.moment_sums(z)  # sum(z), sum(z^2): one pass, float64 totals
+        mean, mean_sq = (sums / count).unbind()
         var = torch.addcmul(mean_sq, mean, mean, value=-1)  # z is centred near 0: little cancels
-        return Local(z, mean, var, origin)
+        return Local(z, mean, var, center)
 
     @staticmethod
     def normalize(local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:
@@ -163,21 +179,22 @@ class CpuKernels:
         global_mean, biased, unbiased = rows.unbind()
         mean = global_mean if local.origin is None else global_mean - local.origin
         var = biased.clamp_min(eps) if clip else biased
-        mean, var = torch.stack([mean, var]).to(dtype).unbind()
         eps_used = 0.0 if clip else eps
-        output = torch.batch_norm(
-            local.z, _as(weight, dtype), _as(bias, dtype), mean, var, False, 0.0, eps_used, False
-        )
+        # The kernel computes z * scale + (bias - mean * scale). Its own scale, weight / sqrt(var + eps)
+        # from a float32 var, is rounded five times (nn.BatchNorm's twice): here it is rounded once from
+        # float64 and given as the weight, with variance 0 + eps 1 (invstd exactly 1).
+        scale = (var if clip else var + eps).rsqrt()
+        if weight is not None:
+            scale = scale * weight
+        scale, mean, var = torch.stack([scale, mean, var]).to(dtype).unbind()
+        zeros = torch.zeros_like(mean)
+        output = torch.batch_norm(local.z, scale, _as(bias, dtype), mean, zeros, False, 0.0, 1.0, False)
         kept = ((biased >= eps).to(dtype),) if clip else ()
         return Normalized(output, (mean, var, *kept), (global_mean, unbiased), eps_used)
 
     @staticmethod
     def backward_sums(dy: Tensor, z: Tensor, saved, weight, need_weight: bool, need_bias: bool, eps: float):
-        mean, var = saved[:2]
-        # sum(dy * x_hat) and sum(dy) in one pass: exactly what eval-mode BN backward reduces.
-        _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            dy, z, None, mean, var, None, None, False, eps, [False, True, True]
-        )
+        sum_dy, sum_dy_xhat = _sums.gradient_sums(dy, z, *saved[:2], eps)  # one pass over dy and z
         return sum_dy, sum_dy_xhat, sum_dy_xhat, sum_dy
 
     @staticmethod
@@ -220,7 +237,7 @@ class GenericKernels:
     """Any other accelerator: ``var_mean``, sums and elementwise ops, which every backend implements.
 
     The same payload as the other devices and the same backward sums as the CPU (``sum(dy)``,
-    ``sum(dy * x_hat)``). Like the CPU it works on the input shifted by one sample's values (a copy in the
+    ``sum(dy * x_hat)``). Like the CPU it works on the input shifted by a value near its mean (a copy in the
     statistics' dtype, float32 at least), so a mean far from zero keeps its accuracy; dedicated kernels
     would spare that copy.
     """
@@ -234,10 +251,10 @@ class GenericKernels:
         if input.dtype in _HALF:  # no shift: the merge is around zero for half inputs (see functional)
             var, mean = torch.var_mean(input.float(), dims, correction=0)
             return Local(input, mean, var, None)
-        origin = first_sample(input).nan_to_num(0.0, 0.0, 0.0)
-        z = input - per_channel(origin, input.dim())
+        center = origin(input)
+        z = input - per_channel(center, input.dim())
         var, mean = torch.var_mean(z, dims, correction=0)
-        return Local(z, mean, var, origin)
+        return Local(z, mean, var, center)
 
     @staticmethod
     def normalize(local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:

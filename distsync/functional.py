@@ -63,12 +63,17 @@ def _buffer_math_dtype(buffer: Tensor) -> torch.dtype:
 
 def _lerp_buffers(buffers, ends, weight: float | Tensor, dtype: torch.dtype) -> None:
     """``buffer += weight * (end - buffer)`` for each pair, computed in ``dtype`` (float32 for half
-    buffers, where ``1 / num_batches_tracked`` does not underflow)."""
+    buffers, where ``1 / num_batches_tracked`` does not underflow). A half buffer takes the form of
+    ``nn.BatchNorm``'s kernels, ``(1 - weight) * buffer + weight * end`` (CPU: ``batch_norm_kernel.cpp``;
+    CUDA: ``batch_norm_update_stats_and_invert`` in ``aten/src/ATen/native/cuda/Normalization.cu`` and
+    ``batch_norm_collect_statistics_kernel`` in ``Normalization.cuh``, in the accumulate type, stored as
+    the buffer's): a variance beyond fp16's range stays inf, where ``lerp`` would turn it into NaN
+    (``inf - inf``) one call later. Plain elementwise ops on the buffer's device, no host read."""
     for buffer, end in zip(buffers, ends, strict=True):
         if buffer.dtype == dtype:
             buffer.lerp_(end, weight)
         else:
-            buffer.copy_(torch.lerp(buffer.to(dtype), end, weight))
+            buffer.copy_(buffer.to(dtype).mul_(1 - weight).add_(end * weight))
 
 
 def _update_running_stats(
