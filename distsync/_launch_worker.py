@@ -59,7 +59,7 @@ class Pickled:
         return pickle.loads(self.payload)
 
 
-def pack(fn: Callable, cfg: Any) -> Pickled:
+def pack(fn: Callable, cfg: Any) -> Pickled | tuple[Any, Any]:
     """``(fn, cfg)`` as the workers receive them.
 
     By reference (pickle) when the workers can import everything they name, as ``torch.multiprocessing``
@@ -67,6 +67,8 @@ def pack(fn: Callable, cfg: Any) -> Pickled:
     stays one class in the worker: lambdas and closures, anything defined in a ``__main__`` that the
     workers cannot import (``python -c``, ``python - < script``, a notebook), or that this process itself
     received by value (a task function and its config dataclass in a job of Hydra's submitit launcher).
+    A ``cfg`` holding objects that only multiprocessing may pickle, as it starts a worker (a ``Queue``),
+    is left to multiprocessing.
     """
     if main_is_importable():
         sent = _by_reference(fn)
@@ -75,6 +77,8 @@ def pack(fn: Callable, cfg: Any) -> Pickled:
                 return Pickled(pickle.dumps((sent, cfg)))
             except (pickle.PicklingError, TypeError, AttributeError):
                 pass
+            except RuntimeError:  # "... should only be shared between processes through inheritance"
+                return sent, cfg
     return by_value((fn, cfg), f"{fn!r} and its config")
 
 
@@ -236,7 +240,7 @@ def _to_rank_file(message: str, with_traceback: bool) -> None:
 # ----------------------------------------------------------------------------------------- the worker
 
 
-def run_rank(sent: Pickled, setup: WorkerSetup) -> tuple[int, Any]:
+def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, Any]:
     """The entry point of every worker: restore Hydra's state, set up logging, run ``fn(cfg)``.
 
     Returns ``(rank, result)`` for the agent (the result by value if pickle cannot take it). A rank that
@@ -251,7 +255,7 @@ def run_rank(sent: Pickled, setup: WorkerSetup) -> tuple[int, Any]:
     rank = int(os.environ.get("RANK", "0"))
     try:
         setup.restore(rank)
-        fn, cfg = sent.unpack()
+        fn, cfg = sent.unpack() if isinstance(sent, Pickled) else sent
         if isinstance(fn, _FunctionRef):
             fn = fn.resolve()
         result = rank, fn(cfg)

@@ -94,6 +94,12 @@ def start_armed_child(start_method, watchdog_only):
     time.sleep(120)
 
 
+def put_rank(queue):
+    """Reports through a multiprocessing queue handed over as the config."""
+    queue.put(int(os.environ["RANK"]))
+    return "put"
+
+
 def flush_at_exit(path):
     """Registers an exit handler, as loggers that flush at exit do; it must still run."""
     import atexit

@@ -7,6 +7,7 @@ plugin, an Optuna sweep and a sweep with a failing job.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import re
 import shutil
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from elastic_fns import end_as, fail_on_rank_one, flush_at_exit, rank_and_config
+from elastic_fns import end_as, fail_on_rank_one, flush_at_exit, put_rank, rank_and_config
 from launching import ROOT, job_env, run_job
 
 import distsync
@@ -127,7 +128,7 @@ def test_every_start_method_works(start_method):
 
 
 _FILELESS_MAIN = """
-import dataclasses, os, sys
+import dataclasses, os
 import distsync
 
 @dataclasses.dataclass
@@ -141,23 +142,29 @@ class Result:
 def train(cfg):
     return Result(int(os.environ["RANK"]) * cfg.scale + 1)
 
-result = distsync.launch(train, Config(), nproc_per_node=2, start_method=sys.argv[-1])
+result = distsync.launch(train, Config(), nproc_per_node=2, start_method=os.environ["START_METHOD"])
 print(result, type(result) is Result)
 """
 
 
-@pytest.mark.parametrize(("how", "start_method"), [("-c", "spawn"), ("stdin", "spawn"), ("-c", "forkserver")])
+@pytest.mark.parametrize(
+    ("how", "start_method"), [("-c", "spawn"), ("stdin", "spawn"), ("-c", "forkserver"), ("IPython", "spawn")]
+)
 def test_a_function_of_a_fileless_main_runs_on_every_rank(tmp_path, how, start_method):
     """As in a notebook: the function, its config dataclass and its result's class live in a ``__main__``
-    that the workers cannot import; they travel by value, and the result comes back as a ``Result``."""
-    if how == "-c":
-        args, stdin = [sys.executable, "-c", _FILELESS_MAIN, start_method], None
-    else:
-        args, stdin = [sys.executable, "-", start_method], _FILELESS_MAIN
+    that the workers cannot import; they travel by value, and the result comes back as a ``Result``
+    (before: a LaunchError with torch's "To enable traceback" link)."""
+    args, stdin = {
+        "-c": ([sys.executable, "-c", _FILELESS_MAIN], None),
+        "stdin": ([sys.executable, "-"], _FILELESS_MAIN),
+        "IPython": ([sys.executable, "-m", "IPython", "--no-banner", "-c", _FILELESS_MAIN], None),
+    }[how]
+    if how == "IPython":
+        pytest.importorskip("IPython")  # a notebook's kernel runs cells in IPython's __main__
     proc = subprocess.run(
         args,
         cwd=tmp_path,
-        env=job_env(),
+        env=job_env(START_METHOD=start_method),
         input=stdin,
         capture_output=True,
         text=True,
@@ -166,6 +173,13 @@ def test_a_function_of_a_fileless_main_runs_on_every_rank(tmp_path, how, start_m
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "Result(value=1) True"
+
+
+def test_a_config_only_multiprocessing_may_pickle_still_reaches_the_workers(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    queue = multiprocessing.get_context("spawn").Queue()
+    assert distsync.launch(put_rank, queue, nproc_per_node=2) == "put"
+    assert sorted(queue.get(timeout=60) for _ in range(2)) == [0, 1]
 
 
 def test_exit_handlers_of_the_workers_still_run(tmp_path, monkeypatch):
