@@ -4,6 +4,9 @@
 ``torchrun`` itself runs, and hands every worker the same configuration. Inside a Hydra app it also carries
 Hydra's state across: the config is resolved once, here, so ``${now:...}`` and ``${hydra:...}`` read the same
 on every rank; ``HydraConfig.get()`` works in the workers; every rank logs to ``<job dir>/logs/rank<N>.log``.
+This module checks the options and the rendezvous, starts the agent and turns what it returns into rank 0's
+value or a :class:`LaunchError`; the workers' side is :mod:`distsync._launch_worker`, the agent's additions
+:mod:`distsync._launch_agent`, and workers die with their agent through :mod:`distsync.lifeline`.
 
 This module imports Hydra and OmegaConf only when it is handed a ``DictConfig`` or runs inside a Hydra job:
 ``import distsync`` stays free of both.
@@ -11,35 +14,27 @@ This module imports Hydra and OmegaConf only when it is handed a ``DictConfig`` 
 
 from __future__ import annotations
 
-import atexit
-import contextlib
-import copy
-import dataclasses
-import importlib
-import inspect
 import logging
 import os
-import pickle
 import signal
 import socket
 import subprocess
 import sys
-import time
-import traceback
+import threading
 import uuid
 from collections.abc import Callable
-from multiprocessing.reduction import ForkingPickler
 from typing import Any, NoReturn, TypeVar
 
-from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
-__all__ = ["LaunchError", "launch", "under_elastic_agent"]
+__all__ = ["LaunchError", "check_options", "launch", "under_elastic_agent"]
 
 T = TypeVar("T")
 
 _SLURM_RDZV_PORT = 29500
-_PEER_FAILURE_GRACE_S = 1.0  # a failed worker waits this long before it exits (see _run_rank)
 _MULTI_NODE_RDZV_TIMEOUT_S = 900  # agents of a multi-node job may start minutes apart (SLURM, submitit)
+_RDZV_TIMEOUT_S = 600  # torch's default for every rendezvous backend
+_START_METHODS = ("spawn", "fork", "forkserver")
+
+log = logging.getLogger(__name__)
 
 
 class LaunchError(RuntimeError):
@@ -49,7 +44,9 @@ class LaunchError(RuntimeError):
     jobs still run, and the command exits non-zero at the end.
 
     Attributes:
-        failures: ``{global rank: (exit code, message)}`` of the workers that failed
+        failures: ``{global rank: (exit code, why)}`` of the workers that failed, and of those that ended
+            without a result (exit code 0); ``why`` is one line: the exception, ``sys.exit(...)``,
+            ``KeyboardInterrupt``, ``killed by SIGKILL`` or the exit code
     """
 
     def __init__(self, message: str, failures: dict[int, tuple[int, str]] | None = None) -> None:
@@ -89,12 +86,18 @@ def launch(
 
     In a Hydra app (``cfg`` a ``DictConfig``, or a Hydra job running), the config is resolved once in this
     process and every rank gets the same values (``${now:...}`` included); the workers see
-    ``HydraConfig.get()`` as this job does; each rank logs to ``<job output dir>/logs/rank<N>.log`` and
-    rank 0 also to the console.
+    ``HydraConfig.get()`` as this job does; every rank applies the job's logging config and
+    ``hydra.verbose``, rank 0 logs to the console and ``<app>.log`` as a plain Hydra job does, and each
+    rank to ``<job output dir>/logs/rank<N>.log``.
+
+    A rank that ends with exit code 0 without returning (``sys.exit()``, ``os._exit(0)``) is not waited
+    for: once every rank has returned or ended, rank 0's value is returned, or a :class:`LaunchError`
+    names the ranks that ended without a result if rank 0 is one of them.
 
     Args:
-        fn: the per-rank function; importable (module level) or picklable, and ``cfg`` picklable, as
-            with ``torch.multiprocessing`` spawn
+        fn: the per-rank function. It and ``cfg`` travel by reference where the workers can import
+            them (module level of a file), else by value with cloudpickle (lambdas, closures, what a
+            ``python -c`` script or a notebook defines)
         cfg: its single argument (a ``DictConfig``, a dataclass, anything picklable)
         nproc_per_node: workers on this node; an int, or ``"gpu"``/``"cpu"``/``"auto"`` as for
             ``torchrun``. Default: 1
@@ -103,7 +106,9 @@ def launch(
         rdzv_endpoint: ``host:port`` where the nodes meet. Under SLURM with ``nnodes > 1`` it defaults
             to the allocation's first host, port 29500. Default: ``""``
         rdzv_id: the job's id, the same on every node; under SLURM the job id. Default: ``""``
-        rdzv_conf: extra rendezvous settings (``{"timeout": 900}`` by default with several nodes)
+        rdzv_conf: extra rendezvous settings; ``timeout`` is the rendezvous timeout in seconds, with any
+            backend (torch's ``join_timeout`` for ``c10d``). Default: ``{"timeout": 900}`` with several
+            nodes, else torch's 600 s
         standalone: one node meeting at ``localhost`` on a free port (under a fresh id unless
             ``rdzv_id`` is given), as ``torchrun --standalone``; so concurrent jobs never collide.
             Default: with ``nnodes == 1`` and no ``rdzv_endpoint``
@@ -118,7 +123,9 @@ def launch(
         what ``fn`` returned on global rank 0 (on a node without rank 0: on that node's lowest rank)
 
     Raises:
-        LaunchError: when the workers failed and no restart was left; it names the failed ranks.
+        LaunchError: when the workers failed and no restart was left, or rank 0 ended without a result;
+            it names those ranks and how each ended.
+        ValueError: for an option that cannot work, before any worker starts.
 
     Example::
 
@@ -129,8 +136,20 @@ def launch(
     if under_elastic_agent():
         return fn(cfg)
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from ._launch_agent import ranks_ending_watched
+    from ._launch_worker import WorkerSetup, main_file_hidden_if_absent, pack, run_rank
+
+    check_options(
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+        max_restarts=max_restarts,
+        monitor_interval=monitor_interval,
+        start_method=start_method,
+    )
     min_nodes, max_nodes = _parse_nnodes(nnodes)
     if standalone is None:
         standalone = max_nodes == 1 and not rdzv_endpoint
@@ -140,10 +159,10 @@ def launch(
         rdzv_backend, rdzv_endpoint, rdzv_id = "c10d", "localhost:0", rdzv_id or uuid.uuid4().hex
     else:
         rdzv_endpoint, rdzv_id = _rendezvous(rdzv_endpoint, rdzv_id, max_nodes)
-    if rdzv_conf is None:
-        rdzv_conf = {"timeout": _MULTI_NODE_RDZV_TIMEOUT_S} if max_nodes > 1 else {}
+    rdzv_conf, timeout_s = _rendezvous_conf(rdzv_backend, rdzv_conf, max_nodes)
 
-    hydra_state = _HydraState.capture(cfg, log_dir)
+    setup = WorkerSetup.capture(log_dir)
+    sent = pack(fn, _resolved_for_workers(cfg))
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -152,30 +171,48 @@ def launch(
         role=role,
         rdzv_endpoint=rdzv_endpoint,
         rdzv_backend=rdzv_backend,
-        rdzv_configs=dict(rdzv_conf),
+        rdzv_configs=rdzv_conf,
         max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         start_method=start_method,
     )
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     if max_nodes > 1:  # the rendezvous says nothing while it waits, up to its timeout
         print(
             f"waiting for {min_nodes} node(s) at {rdzv_endpoint} (rendezvous {rdzv_id})",
             file=sys.stderr,
             flush=True,
         )
+    if not standalone and rdzv_backend in ("c10d", "static"):
+        _check_store_answers(rdzv_endpoint, timeout_s)
     try:
-        results = elastic_launch(config, _run_rank)(_portable(fn), hydra_state.cfg, hydra_state)
-    except ChildFailedError as error:
-        raise _launch_error(error, max_restarts) from error
+        with ranks_ending_watched(), main_file_hidden_if_absent():
+            results = elastic_launch(config, run_rank)(sent, setup)
+    except ChildFailedError as error:  # its long report adds nothing to the one line of LaunchError
+        raise _launch_error(error, max_restarts) from None
     except SignalException as stopped:
         _stop_the_caller(stopped.sigval)
-    if not results:  # an elastic agent that stopped without running workers
-        raise LaunchError("the elastic agent returned no result from any worker")
-    _, value = min(results.values(), key=lambda pair: pair[0])
-    return value
+    return _rank_zeros_value(results)
+
+
+def check_options(
+    *,
+    nproc_per_node: int | str = 1,
+    nnodes: int | str = 1,
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    start_method: str = "spawn",
+    **_: Any,
+) -> None:
+    """Raise ``ValueError`` with one line if an option of :func:`launch` cannot work; other options pass."""
+    _parse_nnodes(nnodes)
+    if isinstance(nproc_per_node, int) or str(nproc_per_node).isdigit():
+        _nproc(nproc_per_node)
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"max_restarts must be an integer >= 0, got {max_restarts!r}")
+    if not isinstance(monitor_interval, int | float) or not monitor_interval > 0:
+        raise ValueError(f"monitor_interval must be a number of seconds > 0, got {monitor_interval!r}")
+    if start_method not in _START_METHODS:
+        raise ValueError(f"start_method must be one of {', '.join(_START_METHODS)}, got {start_method!r}")
 
 
 # ------------------------------------------------------------------------------------------------ options
@@ -216,6 +253,23 @@ def _rendezvous(endpoint: str, run_id: str, max_nodes: int) -> tuple[str, str]:
     return endpoint or "localhost:0", run_id or "distsync"
 
 
+def _rendezvous_conf(
+    backend: str, conf: dict[str, Any] | None, max_nodes: int
+) -> tuple[dict[str, Any], float]:
+    """The rendezvous settings for torch, and the rendezvous timeout in seconds.
+
+    ``timeout`` is the rendezvous timeout for every backend: the dynamic ones (``c10d``, ``etcd-v2``) call
+    it ``join_timeout``, and ignore a ``timeout``. Several nodes wait 900 s by default, one 600 s (torch's).
+    """
+    key = "join_timeout" if backend in ("c10d", "etcd-v2") else "timeout"
+    conf = dict(conf) if conf is not None else {}
+    if "timeout" in conf and key != "timeout":
+        conf.setdefault(key, conf.pop("timeout"))
+    if max_nodes > 1:
+        conf.setdefault(key, _MULTI_NODE_RDZV_TIMEOUT_S)
+    return conf, float(conf.get(key, _RDZV_TIMEOUT_S))
+
+
 def slurm_first_host_and_id() -> tuple[str, str]:
     """First host of the SLURM allocation and the job id, from submitit or else scontrol."""
     try:
@@ -241,192 +295,98 @@ def _stop_the_caller(signum: int) -> NoReturn:
     raise SystemExit(128 + signum)  # the shell's code for a process ended by the signal
 
 
+def _check_store_answers(endpoint: str, timeout_s: float) -> None:
+    """If a process already listens at ``endpoint``, it must answer as a torch store within ``timeout_s``.
+
+    It is then the rendezvous store of another node of this job (or of another job at the same
+    endpoint). A program that accepts connections there but never answers (another service on that
+    port) would hold torch's store client forever, silently: so try a client here, in a thread that
+    may stay blocked, and give up after the rendezvous timeout with a message naming the endpoint.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host or "localhost", int(port)), timeout=5):
+            pass
+    except (OSError, ValueError):
+        return  # nobody listens (yet): torch hosts the store there, or waits for the node that will
+    answered = threading.Event()
+
+    def probe() -> None:
+        try:
+            store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+            store.check(["distsync"])
+        except Exception:  # torch's own rendezvous then reports the store's error
+            pass
+        answered.set()
+
+    threading.Thread(target=probe, name="distsync-rendezvous-probe", daemon=True).start()
+    if answered.wait(min(5.0, timeout_s)):
+        return
+    print(
+        f"distsync.launch: {endpoint} accepts connections but does not answer as a rendezvous store "
+        f"(another program on that port?); waiting up to {timeout_s:g} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    if not answered.wait(max(timeout_s - 5.0, 0.0)):
+        raise LaunchError(
+            f"no rendezvous at {endpoint} within {timeout_s:g} s: a program that is not a torch store "
+            "holds that port; choose another rdzv_endpoint"
+        )
+
+
+def _resolved_for_workers(cfg: Any) -> Any:
+    """An OmegaConf config resolved once, here, so that every rank reads the same values (``${now:}``)."""
+    if "omegaconf" in sys.modules:
+        from omegaconf import DictConfig, ListConfig
+
+        if isinstance(cfg, DictConfig | ListConfig):
+            from ._launch_worker import resolved_copy
+
+            return resolved_copy(cfg)
+    return cfg
+
+
 def _launch_error(error, max_restarts: int) -> LaunchError:
-    failures = {rank: (f.exitcode, _failure_text(f.message)) for rank, f in sorted(error.failures.items())}
-    first_rank, (code, message) = next(iter(failures.items()))
-    lines = message.strip().splitlines()
-    why = lines[0] if lines else f"exit code {code}"
+    """The failed ranks of torch's ``ChildFailedError``, and the ranks that had ended without a result."""
+    from ._launch_agent import describe, reported
+
+    failures = {
+        rank: (failure.exitcode, describe(failure.exitcode, reported(failure)))
+        for rank, failure in sorted(error.failures.items())
+    }
+    failed = sum(code != 0 for code, _ in failures.values())
     return LaunchError(
-        f"{len(failures)} worker(s) failed after {max_restarts} restart(s); first, rank {first_rank}: {why}",
-        failures,
+        f"{failed} worker(s) failed after {max_restarts} restart(s): {_ranks(failures)}", failures
     )
 
 
-def _failure_text(message: Any) -> str:
-    """The error a worker reported: elastic's error file holds a string or ``{"message": ..., ...}``."""
-    if isinstance(message, dict):
-        message = message.get("message", "")
-    return str(message or "")
+def _rank_zeros_value(results: dict[int, Any]) -> Any:
+    """What the lowest rank of this node returned; a :class:`LaunchError` if it ended without a result."""
+    from ._launch_agent import NoResult, describe
+    from ._launch_worker import Pickled
+
+    if not results:  # an elastic agent that stopped without running workers
+        raise LaunchError("the elastic agent returned no result from any worker")
+    ended = {}
+    for rank, value in sorted(results.items()):
+        if not isinstance(value, tuple):  # a worker returns (rank, value)
+            reason = value if isinstance(value, NoResult) else NoResult(0, "")
+            ended[rank] = (reason.exit_code, describe(reason.exit_code, reason.reported))
+    if min(results) in ended:
+        raise LaunchError(_ranks(ended), ended)
+    if ended:
+        log.warning(f"distsync.launch: {_ranks(ended)}; rank {min(results)}'s result is returned")
+    _, value = results[min(results)]
+    return value.unpack() if isinstance(value, Pickled) else value
 
 
-# ------------------------------------------------------------------------------------ what workers get
-
-
-class _FunctionRef:
-    """A picklable way back to ``fn``: module and name, unwrapped (``@hydra.main``'s inner task function)."""
-
-    def __init__(self, fn: Callable) -> None:
-        self.module, self.qualname = fn.__module__, fn.__qualname__
-
-    def resolve(self) -> Callable:
-        target = importlib.import_module(self.module)
-        for name in self.qualname.split("."):
-            target = getattr(target, name)
-        return inspect.unwrap(target)
-
-
-def _portable(fn: Callable) -> Any:
-    """``fn`` itself if pickle takes it; else a :class:`_FunctionRef`, or cloudpickle's bytes."""
-    try:
-        pickle.dumps(fn)
-        return fn
-    except (pickle.PicklingError, TypeError, AttributeError):
-        pass
-    ref = _FunctionRef(fn)
-    try:
-        if ref.resolve() is fn:  # e.g. the task function under @hydra.main, whose name is the wrapper's
-            return ref
-    except (ImportError, AttributeError):
-        pass
-    try:
-        import cloudpickle
-    except ImportError:
-        raise TypeError(
-            f"distsync.launch: cannot pickle {fn!r} for the workers; define it at module level"
-        ) from None
-    return _Cloudpickled(cloudpickle.dumps(fn))
-
-
-class _Cloudpickled:
-    def __init__(self, payload: bytes) -> None:
-        self.payload = payload
-
-    def resolve(self) -> Callable:
-        return pickle.loads(self.payload)
-
-
-class _HydraState:
-    """What a worker needs of the launching Hydra job: the hydra node (resolved) and the log directory."""
-
-    def __init__(self, cfg: Any, hydra_cfg: Any, log_dir: str | None) -> None:
-        self.cfg, self.hydra_cfg, self.log_dir = cfg, hydra_cfg, log_dir
-
-    @classmethod
-    def capture(cls, cfg: Any, log_dir: str | os.PathLike | None) -> _HydraState:
-        hydra_cfg = None
-        if "omegaconf" in sys.modules:
-            from omegaconf import DictConfig, ListConfig
-
-            if isinstance(cfg, DictConfig | ListConfig):  # resolved once, here: every rank reads the same
-                cfg = _resolved_copy(cfg)
-        if "hydra" in sys.modules:
-            from hydra.core.hydra_config import HydraConfig
-
-            if HydraConfig.initialized():
-                hydra_cfg = _resolved_copy(HydraConfig.instance().cfg)
-                _plain_plugin_nodes(hydra_cfg.hydra)
-                if log_dir is None:
-                    log_dir = os.path.join(hydra_cfg.hydra.runtime.output_dir, "logs")
-        return cls(cfg, hydra_cfg, os.path.abspath(log_dir) if log_dir is not None else None)
-
-    def restore(self) -> None:
-        if self.hydra_cfg is not None:
-            from hydra.core.hydra_config import HydraConfig
-
-            HydraConfig.instance().set_config(self.hydra_cfg)
-
-
-def _resolved_copy(node: Any) -> Any:
-    """A deep copy of OmegaConf ``node``, every interpolation resolved (Hydra marks its nodes read-only)."""
-    from omegaconf import OmegaConf
-
-    node = copy.deepcopy(node)
-    for child in (node, *([node.hydra] if "hydra" in node else [])):
-        OmegaConf.set_readonly(child, False)
-    OmegaConf.resolve(node)
-    return node
-
-
-def _plain_plugin_nodes(hydra_node: Any) -> None:
-    """Turn the plugins' configs in the hydra node (launcher, sweeper: instances of classes the plugins
-    define) into plain dicts. A job process that scans Hydra's plugins again (submitit's) re-executes the
-    plugins' modules, and their classes then no longer pickle for the workers."""
-    from omegaconf import OmegaConf
-
-    for key in list(hydra_node):
-        node_type = OmegaConf.get_type(hydra_node, key)
-        if dataclasses.is_dataclass(node_type) and not node_type.__module__.startswith("hydra.conf"):
-            hydra_node[key] = OmegaConf.to_container(hydra_node[key])
-
-
-def _log_to_files(log_dir: str, rank: int) -> None:
-    """Root logger: ``<log_dir>/rank<N>.log`` on every rank, the console on rank 0 only."""
-    os.makedirs(log_dir, exist_ok=True)
-    root = logging.getLogger()
-    root.setLevel(logging.INFO)
-    file_handler = logging.FileHandler(os.path.join(log_dir, f"rank{rank}.log"))
-    file_handler.setFormatter(
-        logging.Formatter(f"[%(asctime)s][rank{rank}][%(name)s][%(levelname)s] - %(message)s")
+def _ranks(endings: dict[int, tuple[int, str]]) -> str:
+    return "; ".join(
+        f"rank {rank}: {why}" if code != 0 else f"rank {rank} ended without a result: {why}"
+        for rank, (code, why) in endings.items()
     )
-    root.addHandler(file_handler)
-    if rank == 0:
-        console = logging.StreamHandler(sys.stdout)
-        console.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-        root.addHandler(console)
-
-
-def _run_rank(fn: Any, cfg: Any, state: _HydraState) -> tuple[int, Any]:
-    """The entry point of every worker: restore Hydra's state, set up logging, run ``fn(cfg)``.
-
-    The worker then ends without tearing its interpreter down (:func:`_end_without_teardown`).
-    """
-    from distsync.train.lifeline import die_with_parent
-
-    die_with_parent()  # an agent that is SIGKILLed cannot stop its workers
-    # Registered first, so it runs last: after the exit handlers of whatever fn used (loggers that
-    # flush at exit, for one), before the interpreter's teardown.
-    atexit.register(_end_without_teardown)
-    try:
-        rank = int(os.environ.get("RANK", "0"))
-        state.restore()
-        if state.log_dir is not None:
-            _log_to_files(state.log_dir, rank)
-        if isinstance(fn, _FunctionRef | _Cloudpickled):
-            fn = fn.resolve()
-        result = rank, fn(cfg)
-        ForkingPickler.dumps(result)  # the agent's queue pickles it after this returns: fail here instead
-    except Exception as error:
-        get_error_handler().record_exception(error)  # what the agent reports as the rank's failure
-        traceback.print_exc()
-        _failures.append(error)  # its frames stay alive: nothing they hold is freed before the exit
-        # A rank whose collective failed because a peer died must not be the failure the agent sees
-        # first: the peer's own death (SIGKILL, an exception) is the one worth reporting.
-        time.sleep(_PEER_FAILURE_GRACE_S)
-        raise SystemExit(1) from None
-    except KeyboardInterrupt:  # Ctrl-C, or the agent stopping its workers with SIGINT: nothing to report
-        _exit_code[0] = 128 + signal.SIGINT
-        raise SystemExit(_exit_code[0]) from None
-    except SystemExit as stop:  # fn's own sys.exit: its code stands
-        _exit_code[0] = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
-        raise
-    _exit_code[0] = 0
-    return result
-
-
-_exit_code = [1]  # what _end_without_teardown exits with: 0 once fn's result is ready for the agent
-_failures: list[BaseException] = []
-
-
-def _end_without_teardown() -> None:
-    """Flush the logs and end the process, skipping the interpreter's teardown.
-
-    A gloo process group whose last reference goes away while one of its threads still destroys a
-    collective issued in backward deadlocks: the group joins that thread holding the GIL, the thread waits
-    for the GIL (see pytorch/pytorch#190489). That last reference is often dropped late: by a traceback's
-    frames, or by module teardown at exit. Nothing is left to do in a worker at this point.
-    """
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(_exit_code[0])

@@ -1,8 +1,9 @@
-"""Module-level functions for distsync.launch tests (workers import them by name)."""
+"""Module-level functions for the tests of distsync.launch and the lifeline (workers import them by name)."""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 
@@ -38,15 +39,65 @@ def fail_holding(cfg):
     raise ValueError(f"rank {os.environ['RANK']} fails")
 
 
-def launch_and_print(name):
-    """Launch ``name`` on 2 ranks from a subprocess of the tests, printing its result or its error."""
+def launch_and_print(name, cfg=None, **options):
+    """Launch ``name`` (on 2 ranks unless told) from a subprocess of the tests; print its result or error."""
     import distsync
     from distsync.elastic import LaunchError
 
+    options.setdefault("nproc_per_node", 2)
     try:
-        print("result", distsync.launch(globals()[name], None, nproc_per_node=2))
+        print("result", distsync.launch(globals()[name], cfg, **options))
     except LaunchError as error:
-        print("failed", sorted(error.failures))
+        print("failed", sorted(error.failures), error)
+
+
+def end_as(ends):
+    """Rank ``r`` ends as ``ends[r]`` says, without returning (``{"how": "sys.exit", "code": 0}``, ...);
+    the other ranks return."""
+    rank = int(os.environ["RANK"])
+    if rank in ends:
+        how = ends[rank]["how"]
+        if how == "os._exit":
+            os._exit(ends[rank].get("code", 0))
+        elif how == "signal":
+            os.kill(os.getpid(), ends[rank]["signal"])
+            time.sleep(60)
+        elif how == "KeyboardInterrupt":
+            raise KeyboardInterrupt
+        elif "code" in ends[rank]:
+            sys.exit(ends[rank]["code"])
+        else:
+            sys.exit()
+    return f"rank {rank} returned"
+
+
+def arm_lifeline_and_wait(conn, watchdog_only):
+    """A multiprocessing child: die with the process that started it, say so, then wait to be killed."""
+    from distsync import lifeline
+
+    if watchdog_only:
+        lifeline._PR_SET_PDEATHSIG = 0  # an invalid prctl option: the watchdog thread alone
+    lifeline.die_with_parent(poll_interval=0.2)
+    conn.send(os.getpid())
+    time.sleep(120)
+
+
+def start_armed_child(start_method, watchdog_only):
+    """In a parent process: start an armed child by ``start_method``, print its pid, then wait."""
+    import multiprocessing
+
+    context = multiprocessing.get_context(start_method)
+    receiver, sender = context.Pipe(duplex=False)
+    child = context.Process(target=arm_lifeline_and_wait, args=(sender, watchdog_only))
+    child.start()
+    print(receiver.recv() if receiver.poll(60) else "not armed", flush=True)
+    time.sleep(120)
+
+
+def put_rank(queue):
+    """Reports through a multiprocessing queue handed over as the config."""
+    queue.put(int(os.environ["RANK"]))
+    return "put"
 
 
 def flush_at_exit(path):

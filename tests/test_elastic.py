@@ -7,15 +7,19 @@ plugin, an Optuna sweep and a sweep with a failing job.
 from __future__ import annotations
 
 import json
+import multiprocessing
 import re
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from elastic_fns import fail_on_rank_one, flush_at_exit, rank_and_config
-from launching import ROOT, run_job
+from elastic_fns import end_as, fail_on_rank_one, flush_at_exit, put_rank, rank_and_config
+from launching import ROOT, job_env, run_job
 
 import distsync
 from distsync.elastic import LaunchError
@@ -50,17 +54,173 @@ def test_workers_end_without_interpreter_teardown(fn, expected):
     assert proc.stdout.strip().splitlines()[-1].startswith(expected)
 
 
+def _launch_in_a_subprocess(name: str, cfg=None, timeout: float = 120, **options) -> str:
+    """The last line ``elastic_fns.launch_and_print`` prints, from a process of its own: a launch that
+    hangs fails the test at the timeout instead of holding up the tests, and fork starts from a fresh
+    process."""
+    code = f"import elastic_fns; elastic_fns.launch_and_print({name!r}, {cfg!r}, **{options!r})"
+    proc = run_job([sys.executable, "-c", code], cwd=Path(__file__).parent, timeout=timeout)
+    assert proc.returncode == 0
+    return proc.stdout.strip().splitlines()[-1]
+
+
+_SYS_EXIT, _SYS_EXIT_0, _OS_EXIT_0 = {"how": "sys.exit"}, {"how": "sys.exit", "code": 0}, {"how": "os._exit"}
+
+
+def test_ranks_that_end_without_a_result_leave_rank_zeros_value():
+    """Before: every such launch waited forever (``sys.exit(0)``: a TypeError in distsync)."""
+    ends = {1: _SYS_EXIT, 2: _SYS_EXIT_0, 3: _OS_EXIT_0}
+    assert _launch_in_a_subprocess("end_as", ends, nproc_per_node=4) == "result rank 0 returned"
+
+
+@pytest.mark.parametrize(
+    ("ends", "expected"),
+    [
+        (
+            {0: _SYS_EXIT, 1: _SYS_EXIT_0, 2: _OS_EXIT_0},
+            "failed [0, 1, 2] rank 0 ended without a result: sys.exit() (exit code 0); rank 1 ended without "
+            "a result: sys.exit(0) (exit code 0); rank 2 ended without a result: exit code 0",
+        ),
+        ({0: _OS_EXIT_0}, "failed [0] rank 0 ended without a result: exit code 0"),
+    ],
+    ids=["every-rank", "rank-0-alone"],
+)
+def test_rank_zero_without_a_result_is_a_launch_error_naming_the_ranks(ends, expected):
+    assert _launch_in_a_subprocess("end_as", ends, nproc_per_node=3) == expected
+
+
+@pytest.mark.parametrize(
+    ("ends", "why"),
+    [
+        (
+            {"how": "sys.exit", "code": "no data on this rank"},
+            "sys.exit('no data on this rank') (exit code 1)",
+        ),
+        ({"how": "sys.exit", "code": 3}, "sys.exit(3) (exit code 3)"),
+        ({"how": "os._exit", "code": 3}, "exit code 3"),
+        ({"how": "KeyboardInterrupt"}, "KeyboardInterrupt (exit code 130)"),
+        ({"how": "signal", "signal": signal.SIGKILL}, "killed by SIGKILL"),
+        ({"how": "signal", "signal": signal.SIGTERM}, "killed by SIGTERM"),
+    ],
+    ids=["sys.exit(message)", "sys.exit(3)", "os._exit(3)", "KeyboardInterrupt", "SIGKILL", "SIGTERM"],
+)
+def test_launch_error_says_how_the_rank_ended(ends, why, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with pytest.raises(LaunchError) as caught:
+        distsync.launch(end_as, {1: ends}, nproc_per_node=2)
+    assert str(caught.value) == f"1 worker(s) failed after 0 restart(s): rank 1: {why}"
+    assert caught.value.failures[1][1] == why
+
+
+def test_a_failing_ranks_traceback_goes_to_its_log_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    with pytest.raises(LaunchError, match="rank 1: ValueError: rank one refuses"):
+        distsync.launch(fail_on_rank_one, None, nproc_per_node=2, log_dir=tmp_path)
+    log = (tmp_path / "rank1.log").read_text()
+    assert "rank 1 failed\nTraceback (most recent call last):" in log
+    assert log.rstrip().endswith("ValueError: rank one refuses")
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork", "forkserver"])
+def test_every_start_method_works(start_method):
+    line = _launch_in_a_subprocess("rank_and_config", {"a": 1}, start_method=start_method)
+    assert line == "result (0, 2, {'a': 1})"
+
+
+_FILELESS_MAIN = """
+import dataclasses, os
+import distsync
+
+@dataclasses.dataclass
+class Config:
+    scale: int = 3
+
+@dataclasses.dataclass
+class Result:
+    value: int
+
+def train(cfg):
+    return Result(int(os.environ["RANK"]) * cfg.scale + 1)
+
+result = distsync.launch(train, Config(), nproc_per_node=2, start_method=os.environ["START_METHOD"])
+print(result, type(result) is Result)
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "start_method"), [("-c", "spawn"), ("stdin", "spawn"), ("-c", "forkserver"), ("IPython", "spawn")]
+)
+def test_a_function_of_a_fileless_main_runs_on_every_rank(tmp_path, how, start_method):
+    """As in a notebook: the function, its config dataclass and its result's class live in a ``__main__``
+    that the workers cannot import; they travel by value, and the result comes back as a ``Result``
+    (before: a LaunchError with torch's "To enable traceback" link)."""
+    args, stdin = {
+        "-c": ([sys.executable, "-c", _FILELESS_MAIN], None),
+        "stdin": ([sys.executable, "-"], _FILELESS_MAIN),
+        "IPython": ([sys.executable, "-m", "IPython", "--no-banner", "-c", _FILELESS_MAIN], None),
+    }[how]
+    if how == "IPython":
+        pytest.importorskip("IPython")  # a notebook's kernel runs cells in IPython's __main__
+    proc = subprocess.run(
+        args,
+        cwd=tmp_path,
+        env=job_env(START_METHOD=start_method),
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "Result(value=1) True"
+
+
+def test_a_config_only_multiprocessing_may_pickle_still_reaches_the_workers(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    queue = multiprocessing.get_context("spawn").Queue()
+    assert distsync.launch(put_rank, queue, nproc_per_node=2) == "put"
+    assert sorted(queue.get(timeout=60) for _ in range(2)) == [0, 1]
+
+
 def test_exit_handlers_of_the_workers_still_run(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert distsync.launch(flush_at_exit, str(tmp_path / "flushed"), nproc_per_node=2) == "registered"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["flushed.0", "flushed.1"]
 
 
-def test_bad_options_are_refused_before_any_worker_starts():
-    with pytest.raises(ValueError, match="nnodes must be N or MIN:MAX"):
-        distsync.launch(rank_and_config, None, nnodes="two")
-    with pytest.raises(ValueError, match="rdzv_endpoint must be host:port"):
-        distsync.launch(rank_and_config, None, nnodes=2)
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"nnodes": "two"}, "nnodes must be N or MIN:MAX, got 'two'"),
+        ({"nnodes": 2}, "rdzv_endpoint must be host:port when nnodes > 1 outside SLURM"),
+        ({"max_restarts": -1}, "max_restarts must be an integer >= 0, got -1"),
+        ({"monitor_interval": 0}, "monitor_interval must be a number of seconds > 0, got 0"),
+        ({"monitor_interval": -0.5}, "monitor_interval must be a number of seconds > 0, got -0.5"),
+        ({"start_method": "thread"}, "start_method must be one of spawn, fork, forkserver, got 'thread'"),
+    ],
+)
+def test_bad_options_are_refused_before_any_worker_starts(options, error):
+    with pytest.raises(ValueError) as caught:
+        distsync.launch(rank_and_config, None, **options)
+    assert str(caught.value) == error
+
+
+def test_a_port_held_by_another_program_is_refused_after_the_rendezvous_timeout(capfd):
+    """Something listens at the endpoint but never answers as a store: the launch says so within seconds,
+    and gives up after the rendezvous timeout, naming the endpoint."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        endpoint = f"localhost:{listener.getsockname()[1]}"
+        with pytest.raises(LaunchError) as caught:
+            distsync.launch(rank_and_config, None, rdzv_endpoint=endpoint, rdzv_conf={"timeout": 3})
+    assert str(caught.value) == (
+        f"no rendezvous at {endpoint} within 3 s: a program that is not a torch store holds that port; "
+        "choose another rdzv_endpoint"
+    )
+    assert (
+        f"{endpoint} accepts connections but does not answer as a rendezvous store" in capfd.readouterr().err
+    )
 
 
 # ------------------------------------------------------------------------------------- the example app
@@ -167,3 +327,64 @@ def test_the_plugin_is_found_by_hydra(app):
     proc = run_job([sys.executable, "app.py", "--info", "plugins"], cwd=app)
     assert proc.returncode == 0
     assert "TorchrunLauncher" in proc.stdout
+
+
+# ------------------------------------------------------------- an app whose config is a dataclass in __main__
+
+
+@pytest.fixture
+def structured_app(tmp_path) -> Path:
+    shutil.copy(Path(__file__).parent / "structured_app.py", tmp_path / "app.py")
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("face", ["launch", "plugin"])
+def test_hydra_verbose_shows_the_workers_debug_lines_as_plain_hydra_does(structured_app, face):
+    """On the console and in the job's app.log from rank 0, and in every rank's log file (before: only
+    the INFO lines on the console and in the rank logs, an empty app.log)."""
+    if face == "launch":
+        args, job = ["hydra.run.dir=run"], structured_app / "run"
+    else:
+        plugin = ["hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2", "face=task"]
+        args, job = ["-m", *plugin, "hydra.sweep.dir=multirun"], structured_app / "multirun" / "0"
+    proc = run_job([sys.executable, "app.py", *args, "hydra.verbose=true"], cwd=structured_app, timeout=240)
+    assert proc.returncode == 0
+    assert "[structured_app][DEBUG] - debug line of rank 0" in proc.stdout
+    assert "line of rank 1" not in proc.stdout  # rank 0 alone talks to the console
+    assert "[structured_app][DEBUG] - debug line of rank 0" in (job / "app.log").read_text()
+    for rank in (0, 1):
+        log = (job / "logs" / f"rank{rank}.log").read_text()
+        assert f"[rank{rank}][structured_app][DEBUG] - debug line of rank {rank}" in log
+        assert f"[rank{rank}][structured_app][INFO] - info line of rank {rank}" in log
+
+
+@pytest.mark.slow
+def test_a_sweep_goes_on_past_jobs_whose_ranks_end_without_a_result(structured_app):
+    """Through the plugin, workers started by forkserver: job 0's rank 0 ends by ``sys.exit()`` (the job
+    fails, saying so), job 1's rank 1 does (rank 0's value stands), job 2 runs (before: job 0 hung)."""
+    plugin = [
+        "hydra/launcher=torchrun",
+        "hydra.launcher.nproc_per_node=2",
+        "hydra.launcher.start_method=forkserver",
+    ]
+    args = ["-m", *plugin, "face=task", "end_on=0,1,-1", "hydra.sweep.dir=multirun"]
+    proc = run_job([sys.executable, "app.py", *args], cwd=structured_app, timeout=240)
+    assert proc.returncode != 0
+    assert "LaunchError: rank 0 ended without a result: sys.exit() (exit code 0)" in proc.stderr
+    jobs = structured_app / "multirun"
+    assert not (jobs / "0" / "result.txt").exists()
+    assert [(jobs / job / "result.txt").read_text() for job in ("1", "2")] == ["10", "10"]
+
+
+@pytest.mark.slow
+def test_submitit_local_runs_an_app_whose_config_is_a_dataclass_in_main(structured_app):
+    """submitit's job process got the task function and the config class by value: they reach the ranks
+    (before: PicklingError: Can't pickle <class '__main__.Config'>)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    args = ["-m", "hydra/launcher=submitit_local", "value=1,2", "hydra.sweep.dir=multirun"]
+    proc = run_job([sys.executable, "app.py", *args], cwd=structured_app, timeout=240)
+    assert proc.returncode == 0
+    for job, value in (("0", 1), ("1", 2)):
+        assert (structured_app / "multirun" / job / "result.txt").read_text() == str(value * 10)
+        assert (structured_app / "multirun" / job / "rank1.txt").read_text() == str(value)

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import distsync
 from distsync.distributed import get_rank, get_world_size, is_distributed
+from distsync.lifeline import die_with_parent
 
 from .checkpoint import (
     load_checkpoint,
@@ -39,7 +40,6 @@ from .checkpoint import (
 from .comm import CommSetup
 from .config import TrainConfig
 from .data import LoaderBatches, ShardedBatches, build_datasets, eval_batches, load_data
-from .lifeline import die_with_parent
 from .logs import console_quiet, init_logger
 from .metrics import MetricsLog, plot_curves, write_json_atomic
 from .model import all_norms_synced, batch_norms, build_model
@@ -68,7 +68,7 @@ def run(cfg: TrainConfig, run_dir: str) -> dict:
     (:mod:`distsync.train.resume`), trains until ``trainer.max_steps``, and on rank 0 writes
     ``metrics.jsonl``, checkpoints, ``summary.json`` and ``curves.png`` under ``run_dir``. Every rank
     returns the same summary (all its values are reduced across ranks). Started by an elastic agent, the
-    process dies with the agent (:func:`~distsync.train.lifeline.die_with_parent`).
+    process dies with the agent (:func:`~distsync.lifeline.die_with_parent`).
 
     Args:
         cfg: the resolved configuration (a plain dataclass, picklable)

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
+from hydra.errors import ConfigCompositionException
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -69,6 +70,12 @@ class TorchrunLauncher(Launcher):
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
+        from distsync.elastic import check_options
+
+        try:  # once, before any job: one line, rather than one failed job after another
+            check_options(**self._options_for(initial_job_idx))
+        except ValueError as error:
+            raise ConfigCompositionException(f"hydra.launcher: {error}") from None
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)

@@ -72,7 +72,7 @@ def test_child_dies_with_its_sigkilled_parent(mechanism):
     child = textwrap.dedent(
         f"""
         import time
-        from distsync.train import lifeline
+        from distsync import lifeline
         if {mechanism == "watchdog"}:
             lifeline._PR_SET_PDEATHSIG = 0  # an invalid prctl option: the watchdog thread alone
         lifeline.die_with_parent(poll_interval=0.2)
@@ -98,6 +98,29 @@ def test_child_dies_with_its_sigkilled_parent(mechanism):
         assert _wait_gone([child_pid], 3.0) == []
     finally:
         _kill_all([child_pid])
+
+
+@pytest.mark.parametrize("mechanism", ["pdeathsig", "watchdog"])
+@pytest.mark.parametrize("start_method", ["spawn", "fork", "forkserver"])
+def test_multiprocessing_child_dies_with_the_process_that_started_it(start_method, mechanism):
+    """Whatever the start method: under forkserver the child's OS parent is the fork server, yet the
+    lifeline watches the process that started it (before: the child SIGKILLed itself at once)."""
+    code = f"import elastic_fns; elastic_fns.start_armed_child({start_method!r}, {mechanism == 'watchdog'})"
+    tests = Path(__file__).parent
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=tests, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline().strip()
+    child = int(line) if line.isdigit() else None
+    try:
+        assert child is not None, f"the child did not arm its lifeline: {line!r}"
+        time.sleep(1.0)
+        assert _alive(child)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert _wait_gone([child], 5.0) == []
+    finally:
+        proc.kill()
+        proc.wait()
+        _kill_all([child] if child else [])
 
 
 @pytest.mark.slow

@@ -1,0 +1,326 @@
+"""The worker side of :func:`distsync.launch`: what every rank receives, and how it runs and ends.
+
+Every rank gets ``fn`` and ``cfg`` packed once in the launching process (by reference where the workers
+can import them, else by value) and the launching Hydra job's state. :func:`run_rank` restores that state,
+sets up logging as Hydra would, runs ``fn(cfg)`` and tells the agent how the rank ended: its result, or why
+it ended without one (an exception, ``sys.exit``, ``KeyboardInterrupt``), written to the error file that
+the elastic agent reads for a rank that gives no result.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import dataclasses
+import importlib
+import inspect
+import json
+import logging
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from distsync.lifeline import die_with_parent
+
+_PEER_FAILURE_GRACE_S = 1.0  # a failed worker waits this long before it exits (see run_rank)
+
+
+# ------------------------------------------------------------------------------------------ fn and cfg
+
+
+class _FunctionRef:
+    """A picklable way back to ``fn``: module and name, unwrapped (``@hydra.main``'s inner task function)."""
+
+    def __init__(self, fn: Callable) -> None:
+        self.module, self.qualname = fn.__module__, fn.__qualname__
+
+    def resolve(self) -> Callable:
+        target = importlib.import_module(self.module)
+        for name in self.qualname.split("."):
+            target = getattr(target, name)
+        return inspect.unwrap(target)
+
+
+class Pickled:
+    """Objects pickled in the launching process and unpickled in a worker's :func:`run_rank` (or the other
+    way round, for a result), so that a failure to unpickle them is reported as the rank's error."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+
+    def unpack(self) -> Any:
+        return pickle.loads(self.payload)
+
+
+def pack(fn: Callable, cfg: Any) -> Pickled | tuple[Any, Any]:
+    """``(fn, cfg)`` as the workers receive them.
+
+    By reference (pickle) when the workers can import everything they name, as ``torch.multiprocessing``
+    does; else by value, with cloudpickle, in one payload so that a class that ``fn`` and ``cfg`` share
+    stays one class in the worker: lambdas and closures, anything defined in a ``__main__`` that the
+    workers cannot import (``python -c``, ``python - < script``, a notebook), or that this process itself
+    received by value (a task function and its config dataclass in a job of Hydra's submitit launcher).
+    A ``cfg`` holding objects that only multiprocessing may pickle, as it starts a worker (a ``Queue``),
+    is left to multiprocessing.
+    """
+    if main_is_importable():
+        sent = _by_reference(fn)
+        if sent is not None:
+            try:
+                return Pickled(pickle.dumps((sent, cfg)))
+            except (pickle.PicklingError, TypeError, AttributeError):
+                pass
+            except RuntimeError:  # "... should only be shared between processes through inheritance"
+                return sent, cfg
+    return by_value((fn, cfg), f"{fn!r} and its config")
+
+
+def by_value(obj: Any, what: str) -> Pickled:
+    """``obj`` pickled by value: functions and classes that the receiving process cannot import go along."""
+    try:
+        import cloudpickle
+    except ImportError:
+        raise TypeError(
+            f"distsync.launch: cannot send {what} by reference, and cloudpickle is not installed to send "
+            "them by value (pip install cloudpickle); or define them in a module file"
+        ) from None
+    return Pickled(cloudpickle.dumps(obj))
+
+
+def main_is_importable() -> bool:
+    """Whether a spawned worker can import ``__main__`` again: run as ``python -m module`` or from a file."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return True
+    path = getattr(main, "__file__", None)
+    return path is not None and os.path.isfile(path)
+
+
+@contextlib.contextmanager
+def main_file_hidden_if_absent() -> Iterator[None]:
+    """Hide ``__main__.__file__`` while workers start, if it names no file (``python - < script`` says
+    ``<stdin>``): multiprocessing would run that path again in every spawned worker, and fail there."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or main_is_importable():
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
+def _by_reference(fn: Callable) -> Any:
+    try:
+        pickle.dumps(fn)
+        return fn
+    except (pickle.PicklingError, TypeError, AttributeError):
+        pass
+    ref = _FunctionRef(fn)
+    try:
+        if ref.resolve() is fn:  # e.g. the task function under @hydra.main, whose name is the wrapper's
+            return ref
+    except (ImportError, AttributeError):
+        pass
+    return None
+
+
+# ------------------------------------------------------------------------------------- Hydra's state
+
+
+class WorkerSetup:
+    """What a worker needs of the launching Hydra job: the hydra node (resolved) and the log directory."""
+
+    def __init__(self, hydra_cfg: Any, log_dir: str | None) -> None:
+        self.hydra_cfg, self.log_dir = hydra_cfg, log_dir
+
+    @classmethod
+    def capture(cls, log_dir: str | os.PathLike | None) -> WorkerSetup:
+        hydra_cfg = None
+        if "hydra" in sys.modules:
+            from hydra.core.hydra_config import HydraConfig
+
+            if HydraConfig.initialized():
+                hydra_cfg = resolved_copy(HydraConfig.instance().cfg)
+                _plain_plugin_nodes(hydra_cfg.hydra)
+                if log_dir is None:
+                    log_dir = os.path.join(hydra_cfg.hydra.runtime.output_dir, "logs")
+        return cls(hydra_cfg, os.path.abspath(log_dir) if log_dir is not None else None)
+
+    def restore(self, rank: int) -> None:
+        """Hydra's config for ``HydraConfig.get()``, and logging as Hydra set it up for the job."""
+        if self.hydra_cfg is not None:
+            from hydra.core.hydra_config import HydraConfig
+
+            HydraConfig.instance().set_config(self.hydra_cfg)
+            _log_as_hydra(self.hydra_cfg.hydra, rank)
+        elif self.log_dir is not None:
+            _log_to_console(rank)
+        if self.log_dir is not None:
+            _log_to_rank_file(self.log_dir, rank)
+
+
+def resolved_copy(node: Any) -> Any:
+    """A deep copy of OmegaConf ``node``, every interpolation resolved (Hydra marks its nodes read-only)."""
+    from omegaconf import OmegaConf
+
+    node = copy.deepcopy(node)
+    for child in (node, *([node.hydra] if "hydra" in node else [])):
+        OmegaConf.set_readonly(child, False)
+    OmegaConf.resolve(node)
+    return node
+
+
+def _plain_plugin_nodes(hydra_node: Any) -> None:
+    """Turn the plugins' configs in the hydra node (launcher, sweeper: instances of classes the plugins
+    define) into plain dicts. A job process that scans Hydra's plugins again (submitit's) re-executes the
+    plugins' modules, and their classes then no longer pickle for the workers."""
+    from omegaconf import OmegaConf
+
+    for key in list(hydra_node):
+        node_type = OmegaConf.get_type(hydra_node, key)
+        if dataclasses.is_dataclass(node_type) and not node_type.__module__.startswith("hydra.conf"):
+            hydra_node[key] = OmegaConf.to_container(hydra_node[key])
+
+
+# -------------------------------------------------------------------------------------------- logging
+
+_FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"
+_rank_file: list[logging.Handler] = []  # this rank's log file handler, once set up
+
+
+def _log_as_hydra(hydra_node: Any, rank: int) -> None:
+    """The job's logging config and ``hydra.verbose``, applied as Hydra applies them to a job; rank 0
+    keeps its handlers (the console, ``<job dir>/<app>.log``), as the one process of a plain Hydra job."""
+    from hydra.core.utils import configure_log
+
+    configure_log(hydra_node.job_logging, hydra_node.verbose)
+    if rank != 0:
+        root = logging.getLogger()
+        for handler in list(root.handlers):
+            root.removeHandler(handler)
+            handler.close()
+
+
+def _log_to_console(rank: int) -> None:
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    if rank == 0:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(logging.Formatter(_FORMAT))
+        root.addHandler(console)
+
+
+def _log_to_rank_file(log_dir: str, rank: int) -> None:
+    """Root logger to ``<log_dir>/rank<N>.log``, at the level the logger has (DEBUG with hydra.verbose)."""
+    os.makedirs(log_dir, exist_ok=True)
+    handler = logging.FileHandler(os.path.join(log_dir, f"rank{rank}.log"))
+    handler.setFormatter(logging.Formatter(_FORMAT.replace("][%(name)s", f"][rank{rank}][%(name)s")))
+    logging.getLogger().addHandler(handler)
+    _rank_file.append(handler)
+
+
+def _to_rank_file(message: str, with_traceback: bool) -> None:
+    """``message`` (and the exception being handled) into this rank's log file only: stderr has it."""
+    for handler in _rank_file:
+        exc_info = sys.exc_info() if with_traceback else None
+        record = logging.LogRecord("distsync.launch", logging.ERROR, __file__, 0, message, None, exc_info)
+        handler.handle(record)
+
+
+# ----------------------------------------------------------------------------------------- the worker
+
+
+def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, Any]:
+    """The entry point of every worker: restore Hydra's state, set up logging, run ``fn(cfg)``.
+
+    Returns ``(rank, result)`` for the agent (the result by value if pickle cannot take it). A rank that
+    raises, or calls ``sys.exit``, writes why into the agent's error file and its log file; with exit
+    code 0 it ends without a result, which the agent notices. The worker then ends without tearing its
+    interpreter down (:func:`_end_without_teardown`).
+    """
+    die_with_parent()  # an agent that is SIGKILLed cannot stop its workers
+    # Registered first, so it runs last: after the exit handlers of whatever fn used (loggers that
+    # flush at exit, for one), before the interpreter's teardown.
+    atexit.register(_end_without_teardown)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        setup.restore(rank)
+        fn, cfg = sent.unpack() if isinstance(sent, Pickled) else sent
+        if isinstance(fn, _FunctionRef):
+            fn = fn.resolve()
+        result = rank, fn(cfg)
+        try:  # the agent's queue pickles it after this returns: fail here instead
+            ForkingPickler.dumps(result)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            result = rank, by_value(result[1], "the returned value")
+    except Exception as error:
+        _tell_agent(f"{type(error).__name__}: {error}")
+        traceback.print_exc()
+        _to_rank_file(f"rank {rank} failed", with_traceback=True)
+        _failures.append(error)  # its frames stay alive: nothing they hold is freed before the exit
+        # A rank whose collective failed because a peer died must not be the failure the agent sees
+        # first: the peer's own death (SIGKILL, an exception) is the one worth reporting.
+        time.sleep(_PEER_FAILURE_GRACE_S)
+        _exit_code[0] = 1
+        raise SystemExit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C (the agent stops everything then), or fn's own
+        _tell_agent("KeyboardInterrupt")
+        _to_rank_file(f"rank {rank} interrupted: KeyboardInterrupt", with_traceback=True)
+        _exit_code[0] = 128 + signal.SIGINT
+        raise SystemExit(_exit_code[0]) from None
+    except SystemExit as stop:  # fn's own sys.exit: its code stands
+        code = stop.code
+        _exit_code[0] = 0 if code is None else code if isinstance(code, int) else 1
+        why = "sys.exit()" if code is None else f"sys.exit({code!r})"
+        _tell_agent(why)
+        _to_rank_file(f"rank {rank} ended by {why} (exit code {_exit_code[0]})", with_traceback=False)
+        if _exit_code[0] == 0:  # torch's @record would hand the agent a None result for SystemExit(0)
+            raise SystemExit(None) from None
+        raise
+    _exit_code[0] = 0
+    return result
+
+
+def _tell_agent(why: str) -> None:
+    """Write why this rank ends into the error file that the elastic agent reads for a rank without a
+    result (torch's JSON layout, with the traceback being handled if any)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": {
+            "message": why,
+            "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
+        }
+    }
+    with contextlib.suppress(OSError), open(path, "w") as file:
+        json.dump(data, file)
+
+
+_exit_code = [1]  # what _end_without_teardown exits with: 0 once fn's result is ready for the agent
+_failures: list[BaseException] = []
+
+
+def _end_without_teardown() -> None:
+    """Flush the logs and end the process, skipping the interpreter's teardown.
+
+    A gloo process group whose last reference goes away while one of its threads still destroys a
+    collective issued in backward deadlocks: the group joins that thread holding the GIL, the thread waits
+    for the GIL (see pytorch/pytorch#190489). That last reference is often dropped late: by a traceback's
+    frames, or by module teardown at exit. Nothing is left to do in a worker at this point.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(_exit_code[0])
