@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 
@@ -34,10 +35,12 @@ def init_distributed(
 
     Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` as set by torchrun.
     With ``backend="auto"`` it picks ``nccl`` and ``cuda:LOCAL_RANK`` when CUDA is available, otherwise
-    ``gloo`` and the CPU. It is a no-op (returning the device) when the default group already exists, and
-    when no torchrun environment is present it returns the device without creating a group, so the same
-    script runs single-process. Under torchrun it rendezvouses through the agent's store with a key prefix per
-    restart, so workers restarted by ``--max-restarts`` join cleanly.
+    ``gloo`` and the CPU. It creates no group when the default group already exists, and when no torchrun
+    environment is present it returns the device without creating a group, so the same script runs
+    single-process. Under torchrun it rendezvouses through the agent's store with a key prefix per restart,
+    so workers restarted by ``--max-restarts`` join cleanly. A gloo default group (created here or before) is
+    kept alive until the process ends, so the script ends cleanly whether or not it calls
+    ``destroy_process_group()``, even when a DDP model outlives the group (see :func:`_keep_until_exit`).
 
     Args:
         backend: ``"auto"``, or any backend name ``torch.distributed`` accepts. Default: ``"auto"``
@@ -55,8 +58,16 @@ def init_distributed(
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if is_distributed() or "WORLD_SIZE" not in os.environ:
-        return device
+    if not is_distributed() and "WORLD_SIZE" in os.environ:
+        _init_process_group(backend, use_cuda, device, timeout)
+    if is_distributed():
+        _keep_until_exit(dist.group.WORLD)
+    return device
+
+
+def _init_process_group(
+    backend: str, use_cuda: bool, device: torch.device, timeout: datetime.timedelta | float | None
+) -> None:
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"
     if isinstance(timeout, (int, float)):
@@ -67,7 +78,28 @@ def init_distributed(
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         kwargs.update(_restart_safe_store(timeout))
     dist.init_process_group(backend=backend, **kwargs)
-    return device
+
+
+_kept_groups: list[dist.ProcessGroup] = []
+
+
+def _keep_until_exit(group: dist.ProcessGroup) -> None:
+    """Keep a gloo group alive until the process ends, so that its destructor never runs.
+
+    The destructor joins the group's worker threads. Where the last reference to the group is dropped
+    from C++ with the GIL held, the join can wait forever on a worker thread that waits for the GIL
+    (pytorch#190489): DDP's ``Reducer`` drops it so when a DDP model outlives ``destroy_process_group()``
+    (timm's ``train.py`` ends so) or is freed at interpreter exit, and a worker needs the GIL to free a
+    finished collective whose tensor Python let go of, or to run a Python callback. Holding one reference
+    that is never released leaves the group's threads and sockets to the operating system when the process
+    ends, as any process's; how it ends is untouched: exit code, exit handlers, output, child processes.
+    """
+    if dist.get_backend(group) != "gloo" or any(group is kept for kept in _kept_groups):
+        return
+    # A reference in a Python container would be dropped by the interpreter's teardown: take one that
+    # nothing releases.
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    _kept_groups.append(group)
 
 
 def _restart_safe_store(timeout: datetime.timedelta | None) -> dict:
