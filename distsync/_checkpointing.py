@@ -31,6 +31,8 @@ class Kept(NamedTuple):
 
 def recomputing() -> bool:
     """Whether this forward runs inside a backward pass: a checkpointed segment being recomputed."""
+    if torch.compiler.is_compiling():  # compiled code recomputes under its own rules (nothing is kept)
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
