@@ -55,36 +55,39 @@ def _steps(rank, world_size, use_checkpoint, cuda_path=False, steps=3):
         return original(self, payload)
 
     _transport.ProcessGroupReducer.all_reduce = counted
-    model = _Net(use_checkpoint)
-    results = []
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(10 * step + rank)
-        x = (torch.randn(2 + rank, 3, 6, 6, generator=gen) * 3 + 1).requires_grad_()
-        out = model(x)
-        out.square().sum().backward()
-        results.append([out.detach(), x.grad, *(p.grad.clone() for p in model.parameters())])
-        model.zero_grad()
-    # ActNorm2d's own call counter counts the recomputation too, as its forward says: left out
-    buffers = [b.clone() for name, b in model.named_buffers() if name != "act.calls"]
-    return results, buffers, len(calls)
+    try:
+        model = _Net(use_checkpoint)
+        results = []
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(10 * step + rank)
+            x = (torch.randn(2 + rank, 3, 6, 6, generator=gen) * 3 + 1).requires_grad_()
+            out = model(x)
+            out.square().sum().backward()
+            results.append([out.detach(), x.grad, *(p.grad.clone() for p in model.parameters())])
+            model.zero_grad()
+        # ActNorm2d's own call counter counts the recomputation too, as its forward says: left out
+        buffers = [b.clone() for name, b in model.named_buffers() if name != "act.calls"]
+        return results, buffers, len(calls)
+    finally:
+        _transport.ProcessGroupReducer.all_reduce = original
 
 
-@pytest.mark.parametrize(
-    "mode, cuda_path",
-    [("reentrant", False), ("non-reentrant", False), ("non-reentrant", True)],
-    ids=["reentrant", "non-reentrant", "non-reentrant-cuda-path"],
-)
-def test_checkpointed_steps_equal_plain_steps_with_no_extra_all_reduce(mode, cuda_path):
-    plain = run_world(_steps, 2, False, cuda_path)
-    checkpointed = run_world(_steps, 2, mode, cuda_path)
-    for (results, buffers, calls), (want_results, want_buffers, want_calls) in zip(
-        checkpointed, plain, strict=True
-    ):
-        for got, want in zip(results, want_results, strict=True):
-            for a, b in zip(got, want, strict=True):
-                torch.testing.assert_close(a, b, rtol=0, atol=0)
-        for a, b in zip(buffers, want_buffers, strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)  # num_batches_tracked 3, not 6
-        # 4 synced calls per step (bn, shared twice, act), one all-reduce forward and one backward each;
-        # the CPU may merge a call far from its shift again (a second forward all-reduce), alike in both runs
-        assert calls == want_calls and calls >= 4 * 2 * 3
+def _all_modes(rank, world_size, cuda_path):
+    """Plain, reentrant and non-reentrant runs of the same steps, in one world."""
+    return {mode: _steps(rank, world_size, mode, cuda_path) for mode in (False, "reentrant", "non-reentrant")}
+
+
+@pytest.mark.parametrize("cuda_path", [False, True], ids=["cpu-path", "cuda-path"])
+def test_checkpointed_steps_equal_plain_steps_with_no_extra_all_reduce(cuda_path):
+    for runs in run_world(_all_modes, 2, cuda_path):
+        want_results, want_buffers, want_calls = runs[False]
+        for mode in ("reentrant", "non-reentrant"):
+            results, buffers, calls = runs[mode]
+            for got, want in zip(results, want_results, strict=True):
+                for a, b in zip(got, want, strict=True):
+                    torch.testing.assert_close(a, b, rtol=0, atol=0, msg=mode)
+            for a, b in zip(buffers, want_buffers, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=mode)  # num_batches_tracked 3, not 6
+            # 4 synced calls per step (bn, shared twice, act), one all-reduce forward and one backward each;
+            # the CPU may merge a call far from its shift again (a second forward all-reduce), alike in all
+            assert calls == want_calls and calls >= 4 * 2 * 3, mode
