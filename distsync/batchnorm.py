@@ -275,21 +275,20 @@ class DistSyncBatchNorm(_BatchNorm):
         self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, check_dim,
         problem,
     ) -> Tensor | None:  # fmt: skip
+        compiled = torch.compiler.is_compiling() and self._replica_reducer is None
+        # Traced whole (fullgraph): identity and group size are resolved at trace time, outside the graph.
+        reducer = None if compiled else self._reducer()
+        if not (_compiled.prepare(self) if compiled else reducer):
+            return None  # nobody to sync with: checked before anything else, as no input needs checking
         channels = next((t.numel() for t in (weight, running_mean) if t is not None), self.num_features)
         if problem is None:
             problem = self._input_problem(input, channels, eps, check_dim)
-        if torch.compiler.is_compiling() and self._replica_reducer is None:
-            # Traced whole (fullgraph): identity and group size are resolved at trace time, outside the graph.
-            if not _compiled.prepare(self):
-                return None
+        if compiled:
             if problem is not None:  # shapes and dtypes are static while tracing
                 raise ValueError(problem)
             return _compiled.sync_batch_norm(
                 self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps
             )
-        reducer = self._reducer()
-        if reducer is None:
-            return None
         # DataParallel replicas under torch.compile: not traced
         apply = self._untraced_apply if torch.compiler.is_compiling() else self._apply_sync
         return apply(
