@@ -1,0 +1,433 @@
+"""The training loop of one rank: build, resume, train, evaluate, checkpoint, summarize.
+
+:class:`Trainer` is what :func:`distsync.train.worker.run` runs once the process has joined its group and
+locked the run directory. Every collective here is reached by every rank in the same order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import inspect
+import itertools
+import math
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import distsync
+from distsync.distributed import get_rank, get_world_size, is_distributed
+
+from .checkpoint import (
+    load_checkpoint,
+    load_newest_checkpoint,
+    remove_stale_temporaries,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from .collectives import all_reduce, broadcast_object, gather_object
+from .comm import CommSetup
+from .config import TrainConfig
+from .data import LoaderBatches, ShardedBatches, build_datasets, load_data
+from .evaluation import bn_buffers_in_sync, evaluate
+from .logs import console_quiet, init_logger
+from .metrics import MetricsLog, plot_curves, write_json_atomic
+from .model import all_norms_synced, build_model
+from .optim import build_optimizer, build_scheduler
+from .resume import ResumeError, check_resume
+from .targets import instantiate
+
+__all__ = ["Trainer", "FINAL_LOSS_STEPS", "KILL_AT_STEP_ENV"]
+
+_DDP_ARGS = inspect.signature(
+    DistributedDataParallel.__init__
+).parameters  # broadcast_buffers renamed in 2.13
+
+KILL_AT_STEP_ENV = "DISTSYNC_TEST_KILL_AT_STEP"
+"""Test hook: the rank in ``DISTSYNC_TEST_KILL_RANK`` (default 1) SIGKILLs itself after this step, on the
+first attempt only (``TORCHELASTIC_RESTART_COUNT=0``). Used by the fault-tolerance test."""
+
+FINAL_LOSS_STEPS = 10  # summary.json's final_loss: the mean training loss of this many last steps
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, device: torch.device, started: float) -> None:
+        self.cfg, self.run_dir, self.device, self.started = cfg, run_dir, device, started
+        self.rank, self.world_size = get_rank(), get_world_size()
+        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.log = init_logger(run_dir, self.rank)
+        t = cfg.trainer
+        if self.rank == 0:  # under the run directory's lock: no other job is writing
+            for tmp in remove_stale_temporaries(run_dir):
+                self.log.warning("removed %s, left by a checkpoint save that was interrupted", tmp.name)
+
+        torch.manual_seed(t.seed)  # the same initial model on every rank
+        self._load_data(cfg)
+        self.model = build_model(cfg.model, self.in_channels, self.num_classes).to(device)
+        if t.channels_last:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.criterion = instantiate(cfg.model.loss) if cfg.model.loss else torch.nn.CrossEntropyLoss()
+        self.comm = CommSetup(t, self.world_size)
+        self.optimizer = self.comm.wrap_optimizer(build_optimizer(cfg, self.model))
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
+        self.autocast = (lambda: torch.autocast(device.type, dtype=low)) if low else contextlib.nullcontext
+        self.scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
+        _seed_everything(t.seed + self.rank)  # per-rank randomness (dropout) from here on
+
+        self.metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=self.rank == 0)
+        self.step, self.last_loss, self.resumed_from = 0, math.nan, None
+        # This rank's training losses of the last FINAL_LOSS_STEPS steps (for final_loss).
+        self.recent_losses = torch.full((FINAL_LOSS_STEPS,), math.nan, dtype=torch.float64, device=device)
+        self.first_started = started
+        local_states = self._resume()
+        self.ddp = self._wrap_ddp()
+        self.forward = torch.compile(self.ddp) if t.compile else self.ddp
+        if local_states is not None:  # after DDP's constructor, which copies rank 0's parameters everywhere
+            self.model.load_state_dict(local_states["model"])
+
+    # ------------------------------------------------------------------------------------------- setup
+
+    def _load_data(self, cfg: TrainConfig) -> None:
+        """Training batches and held-out data: the built-in tensors, or the ``data.train/test`` datasets."""
+        if not cfg.data.train:
+            self.train, self.test, self.num_classes = load_data(cfg.data)
+            self.in_channels = self.train[0].shape[1]
+        else:
+            self.train, self.test = build_datasets(cfg.data)
+            self.num_classes = cfg.data.num_classes
+            self.in_channels = None if cfg.model.factory else self.train[0][0].shape[0]
+        self.batches = self._training_batches(cfg.trainer.seed)
+
+    def _training_batches(self, seed: int) -> ShardedBatches | LoaderBatches:
+        """This rank's endless training batches, shuffled with ``seed``."""
+        d = self.cfg.data
+        if not d.train:
+            return ShardedBatches(self.train, d.batch_size, self.rank, self.world_size, seed)
+        pin_memory = self.device.type == "cuda"
+        return LoaderBatches(
+            self.train, d.batch_size, self.rank, self.world_size, seed, d.num_workers, pin_memory=pin_memory
+        )
+
+    def _wrap_ddp(self) -> torch.nn.Module:
+        if not is_distributed():
+            return self.model
+        # Synchronized BN keeps the running statistics equal on every rank: no buffer broadcast per forward.
+        sync_buffers = not all_norms_synced(self.model)
+        key = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
+        ddp = DistributedDataParallel(
+            self.model,
+            device_ids=[self.device] if self.device.type == "cuda" else None,
+            **{key: sync_buffers},
+        )
+        self.comm.register_hook(ddp, self.step)
+        return ddp
+
+    def _resume(self) -> dict | None:
+        """Load the newest usable checkpoint (rank 0 chooses, every rank loads the same one).
+
+        Returns this rank's own model and optimizer state when the checkpoint holds one per rank
+        (post-local-SGD, where the ranks' models differ between averagings), for after the DDP wrap.
+        """
+        path, error, allowed = None, None, []
+        if self.rank == 0:
+            found = load_newest_checkpoint(self.run_dir, self.log)
+            if found is not None:
+                path, state = found
+                try:
+                    allowed = check_resume(
+                        state["config"], dataclasses.asdict(self.cfg), state["step"], str(path)
+                    )
+                except ResumeError as refused:
+                    error = str(refused)
+                    self.log.error("%s", error)
+                if allowed:
+                    self.log.info("resuming with changed settings: %s", ", ".join(allowed))
+        path, error = broadcast_object((str(path) if path else None, error))
+        if error:
+            raise ResumeError(error)
+        if path is None:
+            self.metrics.truncate(0)  # rows of an earlier attempt that never checkpointed
+            return None
+        if self.rank != 0:
+            state = load_checkpoint(path)
+        local = state.get("local")
+        same_world = len(state["rng"]) == self.world_size
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(
+            local[self.rank]["optimizer"] if local and same_world else state["optimizer"]
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.batches.load_state_dict(state["batches"])
+        if same_world:
+            set_rng_state(state["rng"][self.rank])
+        else:
+            self.log.warning(
+                "checkpoint from %d ranks, now %d: RNG reseeded", len(state["rng"]), self.world_size
+            )
+        self.step = self.resumed_from = int(state["step"])
+        self.last_loss = state["last_loss"]
+        if "recent_losses" in state:  # older checkpoints: final_loss from the steps run after resuming
+            recent = torch.tensor(state["recent_losses"], dtype=torch.float64)
+            self.recent_losses.copy_(recent[self.rank] if same_world else recent.mean(0))
+        self.first_started = state["started_at"]
+        self.metrics.truncate(self.step)
+        self.log.info("resumed from %s (step %d, restart %d)", path, self.step, self.restarts)
+        return local[self.rank] if local and same_world else None
+
+    # ---------------------------------------------------------------------------------------- training
+
+    def fit(self) -> dict:
+        cfg, t = self.cfg, self.cfg.trainer
+        self.log.info(
+            "world_size=%d device=%s norm=%s global_batch=%d steps=%d run_dir=%s",
+            self.world_size,
+            self.device,
+            cfg.model.norm,
+            cfg.data.batch_size * self.world_size,
+            t.max_steps,
+            self.run_dir,
+        )
+        bar = _progress_bar(t.max_steps, self.step, enabled=self.rank == 0 and t.progress)
+        with console_quiet(bar is not None):  # with a bar, INFO lines go to the rank's file only
+            self._train(bar)
+        if bar is not None:
+            bar.close()
+        return self._finish()
+
+    def _train(self, bar) -> None:
+        t = self.cfg.trainer
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # sum of losses, count
+        batches = iter(self.batches)
+        self.ddp.train()
+        while self.step < t.max_steps:
+            loss = self._train_step(batches)
+            self.scheduler.step()
+            self.step += 1
+            loss_sum += torch.stack([loss.double(), loss.new_ones((), dtype=torch.float64)])
+            self.recent_losses[self.step % FINAL_LOSS_STEPS] = loss.double()  # on the device: no sync
+            if bar is not None:
+                bar.update(1)
+            if (
+                self.step % t.log_every == 0
+                or self.step % t.checkpoint_every == 0
+                or self.step == t.max_steps
+            ):
+                distsync.check_sync()  # deferred GPU-side errors surface before anything is logged or saved
+            if self.step % t.log_every == 0 or self.step == t.max_steps:
+                self._log_train(loss_sum, bar)
+                loss_sum.zero_()
+            if self.step % t.eval_every == 0 and self.step < t.max_steps:
+                self._evaluate()
+            if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
+                self._checkpoint()
+            _test_kill_hook(self.step, self.rank, self.restarts)
+
+    def _train_step(self, batches) -> torch.Tensor:
+        """One optimizer step over ``trainer.grad_accum_steps`` micro-batches; returns the mean loss."""
+        t = self.cfg.trainer
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        for micro in range(t.grad_accum_steps):
+            inputs, labels = (x.to(self.device, non_blocking=True) for x in next(batches))
+            inputs = self._laid_out(inputs)
+            last = micro == t.grad_accum_steps - 1
+            no_sync = getattr(self.ddp, "no_sync", None)
+            with contextlib.nullcontext() if last or no_sync is None else no_sync():
+                with self.autocast():
+                    loss = self.criterion(self.forward(inputs), labels) / t.grad_accum_steps
+                self.scaler.scale(loss).backward()
+            total += loss.detach().float()
+        if t.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return total
+
+    def _log_train(self, loss_sum: torch.Tensor, bar) -> None:
+        all_reduce(loss_sum)
+        self.last_loss = (loss_sum[0] / loss_sum[1]).item()
+        lr = self.scheduler.get_last_lr()[0]
+        row = {
+            "kind": "train",
+            "step": self.step,
+            "epoch": self.batches.epoch,
+            "loss": self.last_loss,
+            "lr": lr,
+            "elapsed_s": round(time.time() - self.first_started, 3),
+        }
+        self.metrics.write(**row)
+        if bar is not None:
+            bar.set_postfix(loss=f"{self.last_loss:.4f}", refresh=False)
+        self.log.info(_fmt(row))
+
+    def _evaluate(self) -> dict[str, float]:
+        """Held-out metrics (after precise BN if asked), logged and written to ``metrics.jsonl``."""
+        if self.cfg.trainer.precise_bn_batches:
+            self._precise_bn()
+        row = evaluate(
+            self.model,
+            self.test,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            num_workers=self.cfg.data.num_workers,
+            prepare=self._laid_out,
+            autocast=self.autocast,
+        )
+        self.metrics.write(kind="eval", step=self.step, **row)
+        self.log.info("step %d: held-out %s", self.step, ", ".join(f"{k} {v:.4f}" for k, v in row.items()))
+        return row
+
+    def _laid_out(self, images: torch.Tensor) -> torch.Tensor:
+        """Model inputs in the configured memory format."""
+        if self.cfg.trainer.channels_last and images.dim() == 4:
+            return images.contiguous(memory_format=torch.channels_last)
+        return images
+
+    def _precise_bn(self) -> None:
+        """Precise BN: the synced layers' statistics over ``trainer.precise_bn_batches`` training batches
+        per rank, drawn apart from the training order (which a resumed run must see unchanged)."""
+        t = self.cfg.trainer
+        batches = itertools.islice(iter(self._training_batches(t.seed + 1 + self.step)), t.precise_bn_batches)
+        memory_format = torch.channels_last if t.channels_last else torch.contiguous_format
+        inputs = (
+            x.to(self.device).contiguous(
+                memory_format=memory_format if x.dim() == 4 else torch.contiguous_format
+            )
+            for x, _ in batches
+        )
+        with self.autocast():
+            distsync.update_bn(inputs, self.model)
+
+    def _final_loss(self) -> float:
+        """The mean training loss of the last ``FINAL_LOSS_STEPS`` steps over every rank: unlike the logged
+        loss, independent of ``trainer.log_every``."""
+        recent = self.recent_losses.clone()
+        all_reduce(recent)
+        steps = [s % FINAL_LOSS_STEPS for s in range(max(1, self.step - FINAL_LOSS_STEPS + 1), self.step + 1)]
+        return recent[steps].mean().item() / self.world_size if steps else math.nan
+
+    def _checkpoint(self) -> None:
+        mine = {"rng": rng_state(), "recent_losses": self.recent_losses.tolist()}
+        if self.comm.local_sgd:  # the ranks' models and optimizers differ between averagings
+            mine.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
+        ranks = gather_object(mine)
+        if self.rank != 0:
+            return
+        state = {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "batches": self.batches.state_dict(),
+            "rng": [r.pop("rng") for r in ranks],
+            "local": ranks if self.comm.local_sgd else None,
+            "last_loss": self.last_loss,
+            "recent_losses": [r.pop("recent_losses") for r in ranks],
+            "started_at": self.first_started,
+            "world_size": self.world_size,
+            "config": dataclasses.asdict(self.cfg),
+        }
+        path = save_checkpoint(self.run_dir, self.step, state, keep=self.cfg.trainer.keep_checkpoints)
+        self.log.info("checkpoint %s", path)
+
+    def _finish(self) -> dict:
+        held_out = self._evaluate()
+        in_sync = bn_buffers_in_sync(self.model, self.device)
+        summary = {
+            "world_size": self.world_size,
+            "steps": self.step,
+            "final_loss": self._final_loss(),
+            "accuracy": held_out["accuracy"],
+            "accuracy_top5": held_out.get("accuracy_top5"),
+            "eval_loss": held_out["eval_loss"],
+            "bn_buffers_in_sync": in_sync,
+            "restarts": self.restarts,
+            "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
+            "resumed_from_step": self.resumed_from,
+            "wall_seconds": round(time.time() - self.first_started, 3),
+            "attempt_wall_seconds": round(time.time() - self.started, 3),
+            "model": self.cfg.model.name,
+            "norm": self.cfg.model.norm,
+            "dataset": self.cfg.data.name,
+            "global_batch_size": self.cfg.data.batch_size * self.world_size,
+            "device": self.device.type,
+            "backend": dist.get_backend() if is_distributed() else None,
+            "comm_hook": self.cfg.trainer.comm_hook,
+            "local_sgd_period": self.cfg.trainer.local_sgd_period,
+        }
+        if self.rank == 0:
+            self._save_inference_model()
+            write_json_atomic(self.run_dir / "summary.json", summary)
+            plot_curves(
+                self.metrics.rows(),
+                self.run_dir / "curves.png",
+                title=f"{self.cfg.data.name}, norm={self.cfg.model.norm}, "
+                f"{self.world_size} rank{'s' if self.world_size > 1 else ''}",
+            )
+            self.log.info(
+                "done: %d steps, accuracy %.4f, final loss %.4f, bn_buffers_in_sync=%s, %.1f s -> %s",
+                self.step,
+                held_out["accuracy"],
+                self.last_loss,
+                in_sync,
+                summary["wall_seconds"],
+                self.run_dir,
+            )
+        return summary
+
+    def _save_inference_model(self) -> None:
+        """``model_inference.pt``: the whole trained model with plain ``nn.BatchNorm`` layers, for eval and
+        export without a process group (``torch.load(path, weights_only=False)``)."""
+        model = distsync.revert_sync_batchnorm(copy.deepcopy(self.model)).eval()
+        path = self.run_dir / "model_inference.pt"
+        temporary = path.with_name(path.name + ".tmp")
+        torch.save(model, temporary)
+        os.replace(temporary, path)
+
+
+# -------------------------------------------------------------------------------------------- helpers
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _progress_bar(total: int, initial: int, enabled: bool):
+    if not (enabled and sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _fmt(row: dict) -> str:
+    return " ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "kind"
+    )
+
+
+def _test_kill_hook(step: int, rank: int, restarts: int) -> None:
+    at = os.environ.get(KILL_AT_STEP_ENV)
+    if (
+        at
+        and restarts == 0
+        and step == int(at)
+        and rank == int(os.environ.get("DISTSYNC_TEST_KILL_RANK", "1"))
+    ):
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
