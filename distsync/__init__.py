@@ -5,7 +5,7 @@ from ._identity import name_layers
 from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
 from .convert import BatchNormNd, convert_sync_batchnorm, revert_sync_batchnorm
 from .distributed import init_distributed
-from .elastic import LaunchError, launch
+from .elastic import LaunchError, NonRetryableError, launch
 from .errors import SyncError, SyncMismatchError
 from .groups import create_syncbn_process_group
 from .join import joinable
@@ -22,6 +22,7 @@ __all__ = [
     "DistSyncBatchNorm2d",
     "DistSyncBatchNorm3d",
     "LaunchError",
+    "NonRetryableError",
     "SyncError",
     "SyncMismatchError",
     "check_sync",

@@ -30,6 +30,25 @@ class NoResult:
     reported: str  # why, as the rank told it (``sys.exit()``), or "" (``os._exit(0)`` says nothing)
 
 
+class WorldNotRestarted(Exception):
+    """Raised out of the agent when a rank failed with :class:`~distsync.elastic.NonRetryableError`: the
+    agent stops its workers and gives up at once, whatever restarts were left."""
+
+    def __init__(self, message: str, failures: dict[int, tuple[int, str]]) -> None:
+        super().__init__(message)
+        self.message, self.failures = message, failures
+
+
+def _not_to_be_retried(failure: ProcessFailure) -> tuple[int, str] | None:
+    """``(global rank, message)`` if the rank asked not to be restarted, else None."""
+    if not os.path.isfile(failure.error_file) or not isinstance(failure.message, dict):
+        return None
+    info = failure.message.get("extraInfo") or {}
+    if info.get("retry", True):
+        return None
+    return int(info.get("rank", failure.local_rank)), str(failure.message.get("message", ""))
+
+
 def reported(failure: ProcessFailure) -> str:
     """Why the rank ended as the rank itself wrote it into its error file, or "" without one."""
     if not os.path.isfile(failure.error_file):
@@ -56,7 +75,10 @@ def describe(exit_code: int, why: str) -> str:
 class _ResultAwareContext(MultiprocessContext):
     """torch's context of function workers, which also notices the workers that end without a result."""
 
+    _final = False  # a rank raised NonRetryableError: the workers are being stopped for good
+
     def _poll(self) -> RunProcsResult | None:
+        self._raise_if_not_to_be_restarted()  # before torch logs the failure as one to restart for
         result = super()._poll()
         if result is not None:
             if result.is_failed():  # the failed rank, and those that had ended without a result before it
@@ -68,6 +90,28 @@ class _ResultAwareContext(MultiprocessContext):
         for local_rank, failure in ended.items():
             self._return_values[local_rank] = NoResult(failure.exitcode, reported(failure))
         return super()._poll()  # every rank accounted for: torch releases the workers and collects them
+
+    def _raise_if_not_to_be_restarted(self) -> None:
+        assert self._pc is not None
+        failed = [
+            ProcessFailure(local_rank, process.pid, process.exitcode, self.error_files[local_rank])
+            for local_rank, process in enumerate(self._pc.processes)
+            if process.exitcode not in (None, 0)
+        ]
+        final = [f for f in map(_not_to_be_retried, failed) if f is not None]
+        if final:
+            self._final = True
+            raise WorldNotRestarted(final[0][1], {rank: (1, message) for rank, message in final})
+
+    def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
+        if not self._final:
+            return super()._close(death_sig, timeout)
+        torch_log = logging.getLogger(MultiprocessContext.__module__)
+        torch_log.disabled = True  # "Closing process ... via signal SIGTERM", for each peer: known
+        try:
+            super()._close(death_sig, timeout)
+        finally:
+            torch_log.disabled = False
 
     def _ended_without_result(self) -> dict[int, ProcessFailure]:
         """Workers that exited with code 0 and put no result in their queue (drained by ``_poll``)."""

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+from distsync.elastic import NonRetryableError
 from distsync.lifeline import die_with_parent
 
 _PEER_FAILURE_GRACE_S = 1.0  # a failed worker waits this long before it exits (see run_rank)
@@ -263,6 +264,12 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
             ForkingPickler.dumps(result)
         except (pickle.PicklingError, TypeError, AttributeError):
             result = rank, by_value(result[1], "the returned value")
+    except NonRetryableError as error:  # every rank says the same: one line for the launcher to print
+        _tell_agent(str(error), rank=rank, retry=False)
+        _to_rank_file(f"rank {rank} failed, not to be restarted", with_traceback=True)
+        _failures.append(error)
+        _exit_code[0] = 1
+        raise SystemExit(1) from None
     except Exception as error:
         _tell_agent(f"{type(error).__name__}: {error}")
         traceback.print_exc()
@@ -291,9 +298,10 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
     return result
 
 
-def _tell_agent(why: str) -> None:
+def _tell_agent(why: str, *, rank: int | None = None, retry: bool = True) -> None:
     """Write why this rank ends into the error file that the elastic agent reads for a rank without a
-    result (torch's JSON layout, with the traceback being handled if any)."""
+    result (torch's JSON layout, with the traceback being handled if any); ``retry=False`` asks the agent
+    not to restart the world (:class:`~distsync.elastic.NonRetryableError`)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
@@ -303,6 +311,8 @@ def _tell_agent(why: str) -> None:
             "extraInfo": {"py_callstack": traceback.format_exc(), "timestamp": str(int(time.time()))},
         }
     }
+    if not retry:
+        data["message"]["extraInfo"].update(retry=False, rank=rank)
     with contextlib.suppress(OSError), open(path, "w") as file:
         json.dump(data, file)
 

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any, NoReturn, TypeVar
 
-__all__ = ["LaunchError", "check_options", "launch", "under_elastic_agent"]
+__all__ = ["LaunchError", "NonRetryableError", "check_options", "launch", "under_elastic_agent"]
 
 T = TypeVar("T")
 
@@ -52,6 +52,13 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, failures: dict[int, tuple[int, str]] | None = None) -> None:
         super().__init__(message)
         self.failures = failures or {}
+
+
+class NonRetryableError(RuntimeError):
+    """Raised by ``fn`` on every rank for a failure that restarting the world would only repeat (a bad
+    config found while building the model): :func:`launch` stops the world at once, without using a
+    restart, and raises :class:`LaunchError` with this message. Under an external ``torchrun`` it is an
+    ordinary failure: torchrun's agent restarts on any failure."""
 
 
 def under_elastic_agent() -> bool:
@@ -123,8 +130,9 @@ def launch(
         what ``fn`` returned on global rank 0 (on a node without rank 0: on that node's lowest rank)
 
     Raises:
-        LaunchError: when the workers failed and no restart was left, or rank 0 ended without a result;
-            it names those ranks and how each ended.
+        LaunchError: when the workers failed and no restart was left, or raised
+            :class:`NonRetryableError`, or rank 0 ended without a result; it names those ranks and how
+            each ended.
         ValueError: for an option that cannot work, before any worker starts.
 
     Example::
@@ -140,7 +148,7 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ._launch_agent import ranks_ending_watched
+    from ._launch_agent import WorldNotRestarted, ranks_ending_watched
     from ._launch_worker import WorkerSetup, main_file_hidden_if_absent, pack, run_rank
 
     check_options(
@@ -189,6 +197,8 @@ def launch(
             results = elastic_launch(config, run_rank)(sent, setup)
     except ChildFailedError as error:  # its long report adds nothing to the one line of LaunchError
         raise _launch_error(error, max_restarts) from None
+    except WorldNotRestarted as stopped:
+        raise LaunchError(stopped.message, stopped.failures) from None
     except SignalException as stopped:
         _stop_the_caller(stopped.sigval)
     return _rank_zeros_value(results)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import signal
 import subprocess
@@ -90,10 +91,11 @@ def test_sweep_runs_one_world_per_job_and_goes_on_past_a_failed_one(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_stops_the_whole_sweep_and_leaves_the_job_resumable(tmp_path):
-    """A scheduler's SIGTERM (or Ctrl-C) ends the sweep, not just its current job."""
+    """A scheduler's SIGTERM (or Ctrl-C) ends the sweep, not just its current job; the command printed
+    resumes it."""
     sweep = tmp_path / "sweep"
     job = ["trainer.max_steps=200", *FAST]
-    args = [sys.executable, str(SCRIPT), "-m", "optim.lr=0.1,0.05,0.02", f"hydra.sweep.dir={sweep}", *job]
+    args = [sys.executable, str(SCRIPT), "-m", "optim.lr=0.1,0.05", f"hydra.sweep.dir={sweep}", *job]
     with (tmp_path / "out").open("w") as out, (tmp_path / "err").open("w") as err:
         proc = subprocess.Popen(args, cwd=tmp_path, env=job_env(), stdout=out, stderr=err)
         deadline = time.monotonic() + 120
@@ -106,10 +108,12 @@ def test_sigterm_stops_the_whole_sweep_and_leaves_the_job_resumable(tmp_path):
     assert "stopped by SIGTERM" in stderr
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0"]  # no further job started
     assert not (sweep / "0" / "summary.json").exists()
-    # The interrupted job resumes from its checkpoint
-    again = [sys.executable, str(SCRIPT), f"hydra.run.dir={sweep / '0'}", "optim.lr=0.1", *job]
-    assert run_job(again, tmp_path).returncode == 0
+    # The command printed at the start and at the signal resumes the sweep: job 0 from its checkpoint
+    resume = [line for line in stderr.splitlines() if line.startswith("to resume: ")]
+    assert len(resume) == 1 and f"resume it with: {resume[0].removeprefix('to resume: ')}" in stderr
+    assert run_job(shlex.split(resume[0].removeprefix("to resume: ")), tmp_path).returncode == 0
     assert summary(sweep / "0")["resumed_from_step"] >= 10
+    assert summary(sweep / "1")["resumed_from_step"] is None
 
 
 @pytest.mark.slow

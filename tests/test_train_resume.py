@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 
 import pytest
+import torch
 
 from distsync.train import DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig, run
 from distsync.train.checkpoint import checkpoint_dir
@@ -100,6 +102,18 @@ def test_rerun_of_a_finished_run_adds_no_rows(tmp_path):
     assert rows == [("train", 5), ("train", 10), ("eval", 10), ("train", 15), ("train", 20), ("eval", 20)]
     assert again["resumed_from_step"] == 20 and again["accuracy"] == first["accuracy"]
     assert again["final_loss"] == first["final_loss"]  # the last steps' losses come with the checkpoint
+
+
+def test_wall_seconds_after_a_resume_leave_out_the_time_the_run_was_down(tmp_path):
+    constant = {"schedule": "constant"}
+    first = run(_cfg(optim=constant, max_steps=10), str(tmp_path))
+    trained = torch.load(checkpoint_dir(tmp_path) / "step_00000010.pt", weights_only=False)["trained_seconds"]
+    time.sleep(3.0)  # the run is down
+    again = run(_cfg(optim=constant, max_steps=20), str(tmp_path))
+    assert trained <= first["wall_seconds"]
+    # what the first attempt spent up to its checkpoint, and the second attempt: not the 3 s between
+    assert again["wall_seconds"] == pytest.approx(trained + again["attempt_wall_seconds"], abs=0.5)
+    assert again["wall_seconds"] < first["wall_seconds"] + again["attempt_wall_seconds"] + 1.0
 
 
 def test_final_loss_does_not_depend_on_the_logging_interval(tmp_path):

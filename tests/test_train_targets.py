@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import _vision
 import pytest
 import torch
 from launching import FAST, SCRIPT, run_job
+from launching import summary as read_summary
 from torch.utils.data import TensorDataset
 
 import distsync
@@ -135,3 +137,5 @@ def test_resnet18_on_fake_data(tmp_path):
         PYTHONPATH=_vision.python_path(),  # every process of the job imports torchvision like the tests
     )
     assert proc.returncode == 0
+    # data.num_workers unset: one fewer than the cores per rank (2 ranks here), at most 8
+    assert read_summary(tmp_path)["loader_workers"] == min(8, max(0, os.cpu_count() // 2 - 1))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict  # noqa: UP035  (OmegaConf reads these annotations)
+from typing import Any, Dict, Optional  # noqa: UP035  (OmegaConf reads these annotations)
 
 __all__ = ["ConfigError", "ModelConfig", "DataConfig", "OptimConfig", "TrainerConfig", "TrainConfig"]
 
@@ -95,8 +95,9 @@ class DataConfig:
     built-in data (``torchvision.datasets.ImageFolder``, ``FakeData``, yours); needs ``test`` too."""
     test: Node = field(default_factory=dict)
     """The held-out dataset's ``_target_`` node, with ``train``."""
-    num_workers: int = 0
-    """DataLoader worker processes per rank, for ``train``/``test`` datasets."""
+    num_workers: Optional[int] = None  # noqa: UP045
+    """DataLoader worker processes per rank, for ``train``/``test`` datasets. Default (null): one fewer
+    than the cores per rank (the cores of the host over the ranks on it), at most 8; 0 with 1 core."""
 
     def __post_init__(self) -> None:
         if not self.train:
@@ -104,7 +105,8 @@ class DataConfig:
         _node("data.train", self.train)
         _node("data.test", self.test)
         _require(bool(self.train) == bool(self.test), "data.test", "goes with data.train", self.test)
-        _require(self.num_workers >= 0, "data.num_workers", "must be >= 0", self.num_workers)
+        workers = self.num_workers
+        _require(workers is None or workers >= 0, "data.num_workers", "must be >= 0 (or null)", workers)
         _require(self.batch_size >= 1, "data.batch_size", "must be >= 1", self.batch_size)
         _require(
             0.0 < self.test_fraction < 1.0, "data.test_fraction", "must be in (0, 1)", self.test_fraction

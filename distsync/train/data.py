@@ -69,7 +69,7 @@ def shard_indices(n: int, rank: int, world_size: int) -> Tensor:
     return torch.arange(rank, n, world_size)
 
 
-def _batches_per_epoch(per_rank: int, batch_size: int, world_size: int, total: int) -> int:
+def batches_per_epoch(per_rank: int, batch_size: int, world_size: int, total: int) -> int:
     """Full batches per epoch of a rank's ``per_rank`` samples; refuses a batch larger than them."""
     if per_rank // batch_size == 0:
         raise ConfigError(
@@ -121,7 +121,7 @@ class ShardedBatches(_Position):
         )
         self.batch_size = batch_size
         per_rank, total = len(self.sampler), len(self.labels)
-        self.batches_per_epoch = _batches_per_epoch(per_rank, batch_size, world_size, total)
+        self.batches_per_epoch = batches_per_epoch(per_rank, batch_size, world_size, total)
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         while True:
@@ -179,7 +179,7 @@ class LoaderBatches(_Position):
         sampler = DistributedSampler(
             dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
         )
-        self.batches_per_epoch = _batches_per_epoch(len(sampler), batch_size, world_size, len(dataset))
+        self.batches_per_epoch = batches_per_epoch(len(sampler), batch_size, world_size, len(dataset))
         self.sampler = _ResumableSampler(sampler)
         self.loader = DataLoader(
             dataset,

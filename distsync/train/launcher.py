@@ -19,10 +19,10 @@ import functools
 import itertools
 import logging
 import os
+import shlex
 import shutil
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import hydra
@@ -33,6 +33,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from .build import check_buildable, check_builtin_data
 from .config import ConfigError, TrainConfig
 from .resume import check_resume
 from .rundir import LOCK_NAME, RECORD_NAME, RunDirBusy, RunDirLock, keep_hydra_record, restore_hydra_record
@@ -338,7 +339,6 @@ def _check_environment(cfg: TrainConfig) -> None:
         raise ConfigError("trainer.precision=fp16 needs CUDA (its gradient scaler); use bf16 on the CPU")
     if cfg.trainer.comm_hook == "bf16" and world > 1 and not torch.cuda.is_available():
         raise ConfigError("trainer.comm_hook=bf16 needs CUDA with NCCL 2.10+; use fp16 or powersgd on CPU")
-    _check_data(cfg, world)
     if cfg.trainer.backend not in _BACKENDS:
         raise ConfigError(
             f"trainer.backend must be one of {', '.join(_BACKENDS)} (got {cfg.trainer.backend!r}): the job "
@@ -355,31 +355,11 @@ def _check_environment(cfg: TrainConfig) -> None:
                 f"trainer.nproc_per_node={cfg.trainer.nproc_per_node} but this node has {gpus} GPU(s): NCCL "
                 "needs one GPU per process"
             )
-
-
-def _check_data(cfg: TrainConfig, world: int) -> None:
-    """What the workers would find wrong with the data, found here so no world starts (or restarts) for it."""
-    if cfg.data.train:  # a dataset of the user's: built in the workers only
-        return
-    from .data import load_data
-
-    with warnings.catch_warnings():  # an empty split warns in load_data; the error below says more
-        warnings.simplefilter("ignore")
-        (_, train_labels), (_, test_labels), _ = load_data(cfg.data)
-    per_rank = len(train_labels) // world
-    split = f"data.test_fraction={cfg.data.test_fraction} leaves {len(train_labels)} training samples"
-    if len(test_labels) == 0:  # first: no batch size can fix it
-        raise ConfigError(
-            f"data.test_fraction={cfg.data.test_fraction} leaves no held-out samples ({len(train_labels)} "
-            "samples in all); use more samples or a larger data.test_fraction"
-        )
-    if per_rank == 0:
-        raise ConfigError(f"{split}, fewer than the {world} ranks")
-    if cfg.data.batch_size > per_rank:
-        raise ConfigError(
-            f"data.batch_size must be at most {per_rank} ({split}, {per_rank} per rank over {world} ranks) "
-            f"(got {cfg.data.batch_size})"
-        )
+    if under_torchrun():  # the workers build the rest, and fail alike on every rank (worker.py)
+        if not cfg.data.train:
+            check_builtin_data(cfg, world)
+    else:  # before any worker starts: a config error costs one line, never a restart
+        check_buildable(cfg, world)
 
 
 # ------------------------------------------------------------------------------------------ elastic launch
@@ -401,6 +381,9 @@ def launch(cfg: TrainConfig, run_dir: str) -> dict:
 
     t = cfg.trainer
     lock = _lock_for_workers(cfg, run_dir)
+    resume = resume_command(run_dir)
+    if resume:
+        _say(f"run directory {run_dir}; after an interruption, resume it with: {resume}")
     try:
         return elastic_launch(
             functools.partial(run, run_dir=os.path.abspath(run_dir)),
@@ -414,12 +397,40 @@ def launch(cfg: TrainConfig, run_dir: str) -> dict:
             role="distsync",
         )
     except LaunchError as error:
-        _fail(f"training failed after {t.max_restarts} restart(s): {error}", error)
+        _fail(f"training failed: {error}", error)
     except ValueError as error:  # a rendezvous setting torchrun cannot use
         _refuse_early(str(error), error)
+    except SystemExit:  # stopped by Ctrl-C or SIGTERM
+        if resume:
+            _say(f"to resume: {resume}")
+        raise
     finally:
         if lock is not None:
             lock.release()
+
+
+def resume_command(run_dir: str) -> str | None:
+    """The command that resumes this Hydra job: the same program and overrides with ``hydra.run.dir``
+    pinned to ``run_dir`` (the same command would start over in a new directory); for a job of a sweep,
+    the whole sweep with ``hydra.sweep.dir`` pinned (finished jobs add nothing, the others resume)."""
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    program = sys.orig_argv[:2]
+    if program[-1].endswith("distsync-train"):  # the console script, run by the venv's python
+        program = ["distsync-train"]
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        pinned = ("hydra.sweep.dir", str(hydra_cfg.sweep.dir))
+        args = sys.argv[1:]  # the sweep's own command line
+    else:
+        pinned = ("hydra.run.dir", run_dir)
+        args = list(hydra_cfg.overrides.task)
+    args = [*program, *(a for a in args if not a.startswith(f"{pinned[0]}=")), "=".join(pinned)]
+    return " ".join(shlex.quote(arg) for arg in args)
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _lock_for_workers(cfg: TrainConfig, run_dir: str) -> RunDirLock | None:
@@ -461,6 +472,12 @@ def _packaged_task(cfg: DictConfig) -> float:
 
 
 def main() -> None:
-    """``distsync-train``: the training job of ``launch/train.py``, from the configs inside the package."""
+    """``distsync-train``: the training job of ``launch/train.py``, from the configs inside the package.
+
+    The current directory goes first on ``sys.path``, as ``python -m`` does, so that a ``_target_`` of the
+    project it runs in (``my_pkg.make_net``) imports, in this process and in the workers it spawns.
+    """
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     prepare_argv()
     _packaged_task()

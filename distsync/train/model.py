@@ -53,7 +53,7 @@ def build_model(cfg: ModelConfig, in_channels: int, num_classes: int) -> nn.Modu
     if cfg.factory:
         model = instantiate(cfg.factory)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"model.factory: {cfg.factory['_target_']} returned {type(model).__name__}")
+            raise TypeError(f"it returned {type(model).__name__}, not an nn.Module")
     else:
         model = SmallCNN(in_channels, num_classes, tuple(cfg.channels), cfg.dropout)
     if cfg.norm == "sync":

@@ -30,11 +30,16 @@ def import_target(path: str, key: str = "_target_") -> Callable:
     parts = str(path).split(".")
     error: Exception = ValueError("not a dotted path")
     for split in range(len(parts) - 1, 0, -1):  # the longest importable module, then attributes
+        module = ".".join(parts[:split])
         try:
-            target = importlib.import_module(".".join(parts[:split]))
-        except ImportError as caught:
-            error = caught
-            continue
+            target = importlib.import_module(module)
+        except ModuleNotFoundError as caught:
+            if caught.name and module.startswith(caught.name):  # not there: try a shorter module path
+                error = caught
+                continue
+            raise ConfigError(f"{key}: importing {module} for {path!r} failed: {_cause(caught)}") from caught
+        except Exception as caught:  # the module exists but fails to import (a broken install, say)
+            raise ConfigError(f"{key}: importing {module} for {path!r} failed: {_cause(caught)}") from caught
         try:
             for part in parts[split:]:
                 target = getattr(target, part)
@@ -46,6 +51,11 @@ def import_target(path: str, key: str = "_target_") -> Callable:
         error = TypeError("not callable")
         break
     raise ConfigError(f"{key}: cannot import {path!r} ({error})")
+
+
+def _cause(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
 
 
 def check_node(node: dict, key: str, positional: int = 0) -> None:

@@ -26,7 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import distsync
 from distsync.distributed import get_rank, get_world_size, is_distributed
+from distsync.elastic import NonRetryableError
 
+from .build import building
 from .checkpoint import (
     load_checkpoint,
     load_newest_checkpoint,
@@ -35,7 +37,7 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from .collectives import all_reduce, broadcast_object, gather_object
+from .collectives import all_gather_object, all_reduce, broadcast_object, gather_object
 from .comm import CommSetup
 from .config import TrainConfig
 from .data import LoaderBatches, ShardedBatches, build_datasets, load_data
@@ -57,12 +59,18 @@ KILL_AT_STEP_ENV = "DISTSYNC_TEST_KILL_AT_STEP"
 """Test hook: the rank in ``DISTSYNC_TEST_KILL_RANK`` (default 1) SIGKILLs itself after this step, on the
 first attempt only (``TORCHELASTIC_RESTART_COUNT=0``). Used by the fault-tolerance test."""
 
+MAX_LOADER_WORKERS = 8  # data.num_workers's default: one fewer than the cores per rank, at most this
+
 FINAL_LOSS_STEPS = 10  # summary.json's final_loss: the mean training loss of this many last steps
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, device: torch.device, started: float) -> None:
+    def __init__(
+        self, cfg: TrainConfig, run_dir: Path, device: torch.device, started: float, cores_per_rank: int = 1
+    ) -> None:
         self.cfg, self.run_dir, self.device, self.started = cfg, run_dir, device, started
+        workers = cfg.data.num_workers
+        self.loader_workers = min(MAX_LOADER_WORKERS, cores_per_rank - 1) if workers is None else workers
         self.rank, self.world_size = get_rank(), get_world_size()
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.log = init_logger(run_dir, self.rank)
@@ -72,24 +80,17 @@ class Trainer:
                 self.log.warning("removed %s, left by a checkpoint save that was interrupted", tmp.name)
 
         torch.manual_seed(t.seed)  # the same initial model on every rank
-        self._load_data(cfg)
-        self.model = build_model(cfg.model, self.in_channels, self.num_classes).to(device)
-        if t.channels_last:
-            self.model = self.model.to(memory_format=torch.channels_last)
-        self.criterion = instantiate(cfg.model.loss) if cfg.model.loss else torch.nn.CrossEntropyLoss()
-        self.comm = CommSetup(t, self.world_size)
-        self.optimizer = self.comm.wrap_optimizer(build_optimizer(cfg, self.model))
-        self.scheduler = build_scheduler(cfg, self.optimizer)
+        self._build(cfg)
         low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.precision)
         self.autocast = (lambda: torch.autocast(device.type, dtype=low)) if low else contextlib.nullcontext
         self.scaler = torch.amp.GradScaler(device.type, enabled=t.precision == "fp16")
         _seed_everything(t.seed + self.rank)  # per-rank randomness (dropout) from here on
 
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=self.rank == 0)
-        self.step, self.last_loss, self.resumed_from = 0, math.nan, None
+        self.step, self.resumed_from = 0, None
         # This rank's training losses of the last FINAL_LOSS_STEPS steps (for final_loss).
         self.recent_losses = torch.full((FINAL_LOSS_STEPS,), math.nan, dtype=torch.float64, device=device)
-        self.first_started = started
+        self.seconds_before = 0.0  # of the attempts up to the checkpoint resumed from
         local_states = self._resume()
         self.ddp = self._wrap_ddp()
         self.forward = torch.compile(self.ddp) if t.compile else self.ddp
@@ -97,6 +98,40 @@ class Trainer:
             self.model.load_state_dict(local_states["model"])
 
     # ------------------------------------------------------------------------------------------- setup
+
+    def _build(self, cfg: TrainConfig) -> None:
+        """Data, model, loss, optimizer and schedule, with the outcome decided on every rank.
+
+        A config error makes every rank fail alike, and would on every restart: then every rank raises
+        :class:`~distsync.elastic.NonRetryableError` and :func:`distsync.launch` does not restart the
+        world. A failure on some ranks only (a file missing on one node) stays an ordinary one.
+        """
+        failure = None
+        try:
+            with building("data.train" if cfg.data.train else "data", cfg.data.train):
+                self._load_data(cfg)
+            with building("model.factory" if cfg.model.factory else "model", cfg.model.factory):
+                self.model = build_model(cfg.model, self.in_channels, self.num_classes).to(self.device)
+            if cfg.trainer.channels_last:
+                self.model = self.model.to(memory_format=torch.channels_last)
+            loss = cfg.model.loss
+            with building("model.loss", loss):
+                self.criterion = instantiate(loss) if loss else torch.nn.CrossEntropyLoss()
+            self.comm = CommSetup(cfg.trainer, self.world_size)
+            with building("optim.factory" if cfg.optim.factory else "optim", cfg.optim.factory):
+                self.optimizer = self.comm.wrap_optimizer(build_optimizer(cfg, self.model))
+            with building("optim.scheduler" if cfg.optim.scheduler else "optim", cfg.optim.scheduler):
+                self.scheduler = build_scheduler(cfg, self.optimizer)
+        except Exception as error:
+            failure = error
+        messages = all_gather_object(None if failure is None else str(failure))
+        failed = [rank for rank, message in enumerate(messages) if message is not None]
+        if len(failed) == len(messages) and len(set(messages)) == 1:
+            raise NonRetryableError(messages[0]) from failure
+        if failed:
+            raise RuntimeError(
+                f"rank(s) {', '.join(map(str, failed))} could not build the job: {messages[failed[0]]}"
+            ) from failure
 
     def _load_data(self, cfg: TrainConfig) -> None:
         """Training batches and held-out data: the built-in tensors, or the ``data.train/test`` datasets."""
@@ -115,8 +150,9 @@ class Trainer:
         if not d.train:
             return ShardedBatches(self.train, d.batch_size, self.rank, self.world_size, seed)
         pin_memory = self.device.type == "cuda"
+        workers = self.loader_workers
         return LoaderBatches(
-            self.train, d.batch_size, self.rank, self.world_size, seed, d.num_workers, pin_memory=pin_memory
+            self.train, d.batch_size, self.rank, self.world_size, seed, workers, pin_memory=pin_memory
         )
 
     def _wrap_ddp(self) -> torch.nn.Module:
@@ -176,11 +212,12 @@ class Trainer:
                 "checkpoint from %d ranks, now %d: RNG reseeded", len(state["rng"]), self.world_size
             )
         self.step = self.resumed_from = int(state["step"])
-        self.last_loss = state["last_loss"]
         if "recent_losses" in state:  # older checkpoints: final_loss from the steps run after resuming
             recent = torch.tensor(state["recent_losses"], dtype=torch.float64)
             self.recent_losses.copy_(recent[self.rank] if same_world else recent.mean(0))
-        self.first_started = state["started_at"]
+        # The time the run was down between its last checkpoint and this attempt does not count (nor the
+        # steps after that checkpoint that were lost: they are run again). Older checkpoints: since the start.
+        self.seconds_before = state.get("trained_seconds", self.started - state["started_at"])
         self.metrics.truncate(self.step)
         self.log.info("resumed from %s (step %d, restart %d)", path, self.step, self.restarts)
         return local[self.rank] if local and same_world else None
@@ -257,19 +294,19 @@ class Trainer:
 
     def _log_train(self, loss_sum: torch.Tensor, bar) -> None:
         all_reduce(loss_sum)
-        self.last_loss = (loss_sum[0] / loss_sum[1]).item()
+        loss = (loss_sum[0] / loss_sum[1]).item()  # the mean over the steps since the last row
         lr = self.scheduler.get_last_lr()[0]
         row = {
             "kind": "train",
             "step": self.step,
             "epoch": self.batches.epoch,
-            "loss": self.last_loss,
+            "loss": loss,
             "lr": lr,
-            "elapsed_s": round(time.time() - self.first_started, 3),
+            "elapsed_s": round(self._seconds(), 3),
         }
         self.metrics.write(**row)
         if bar is not None:
-            bar.set_postfix(loss=f"{self.last_loss:.4f}", refresh=False)
+            bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         self.log.info(_fmt(row))
 
     def _evaluate(self) -> dict[str, float]:
@@ -282,7 +319,7 @@ class Trainer:
             rank=self.rank,
             world_size=self.world_size,
             device=self.device,
-            num_workers=self.cfg.data.num_workers,
+            num_workers=self.loader_workers,
             prepare=self._laid_out,
             autocast=self.autocast,
         )
@@ -334,9 +371,9 @@ class Trainer:
             "batches": self.batches.state_dict(),
             "rng": [r.pop("rng") for r in ranks],
             "local": ranks if self.comm.local_sgd else None,
-            "last_loss": self.last_loss,
             "recent_losses": [r.pop("recent_losses") for r in ranks],
-            "started_at": self.first_started,
+            "started_at": self.started - self.seconds_before,
+            "trained_seconds": self._seconds(),
             "world_size": self.world_size,
             "config": dataclasses.asdict(self.cfg),
         }
@@ -356,8 +393,9 @@ class Trainer:
             "bn_buffers_in_sync": in_sync,
             "restarts": self.restarts,
             "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
+            "loader_workers": self.loader_workers if self.cfg.data.train else None,
             "resumed_from_step": self.resumed_from,
-            "wall_seconds": round(time.time() - self.first_started, 3),
+            "wall_seconds": round(self._seconds(), 3),
             "attempt_wall_seconds": round(time.time() - self.started, 3),
             "model": self.cfg.model.name,
             "norm": self.cfg.model.norm,
@@ -378,15 +416,21 @@ class Trainer:
                 f"{self.world_size} rank{'s' if self.world_size > 1 else ''}",
             )
             self.log.info(
-                "done: %d steps, accuracy %.4f, final loss %.4f, bn_buffers_in_sync=%s, %.1f s -> %s",
+                "done: %d steps, accuracy %.4f, final_loss %.4f (mean of the last %d steps), "
+                "bn_buffers_in_sync=%s, wall_seconds %.1f -> %s",
                 self.step,
                 held_out["accuracy"],
-                self.last_loss,
+                summary["final_loss"],
+                min(self.step, FINAL_LOSS_STEPS),
                 in_sync,
                 summary["wall_seconds"],
                 self.run_dir,
             )
         return summary
+
+    def _seconds(self) -> float:
+        """Seconds spent on this run: this attempt's, and those of earlier attempts up to their checkpoint."""
+        return self.seconds_before + time.time() - self.started
 
     def _save_inference_model(self) -> None:
         """``model_inference.pt``: the whole trained model with plain ``nn.BatchNorm`` layers, for eval and

@@ -53,13 +53,14 @@ def run(cfg: TrainConfig, run_dir: str) -> dict:
     device = distsync.init_distributed(
         cfg.trainer.backend, timeout=datetime.timedelta(seconds=cfg.trainer.timeout_s)
     )
+    cores = cpu_threads_per_rank()
     if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(cpu_threads_per_rank())
+        torch.set_num_threads(cores)
     lock = None
     try:
         lock = _lock(Path(run_dir))
         try:
-            trainer = Trainer(cfg, Path(run_dir), device, started)
+            trainer = Trainer(cfg, Path(run_dir), device, started, cores_per_rank=cores)
         except ResumeError:
             if lock is not None:  # Hydra wrote this refused job's record over the one of the job that trained
                 restore_hydra_record(run_dir)
