@@ -109,3 +109,38 @@ def _labelled_ticks(fig, ax) -> list[float]:
     low, high = ax.get_ylim()
     ticks = ax.yaxis.get_majorticklabels() + ax.yaxis.get_minorticklabels()
     return [float(t.get_text()) for t in ticks if t.get_text() and low <= t.get_position()[1] <= high]
+
+
+def test_zero_losses_stay_on_the_plot():
+    losses = ((1, 0.7), (2, 0.02), (3, 0.0), (4, 0.0))
+    rows = [{"kind": "train", "step": step, "loss": loss} for step, loss in losses]
+    ax_loss = curves_figure(rows).axes[0]
+    assert ax_loss.get_yscale() == "symlog"  # a log axis cannot show 0
+    assert list(ax_loss.get_lines()[0].get_ydata()) == [0.7, 0.02, 0.0, 0.0]
+    assert "linear below 0.01" in ax_loss.get_ylabel()
+
+
+def test_the_sweep_plot_labels_its_log_axis_without_crowding(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from distsync.train.sweep import _plot
+
+    jobs = []
+    for job, scale in (("0", 1.0), ("1", 1.5)):
+        (tmp_path / job).mkdir()
+        log = MetricsLog(tmp_path / job / "metrics.jsonl", enabled=True)
+        for row in _rows(8):
+            if row["kind"] == "train" and row["loss"] is not None:
+                log.write(kind="train", step=row["step"], loss=row["loss"] * scale)
+        jobs.append(tmp_path / job)
+    opened = []
+    close = plt.close
+    with pytest.MonkeyPatch.context() as patch:  # keep the figure open to look at its labels
+        patch.setattr(plt, "close", opened.append)
+        _plot(tmp_path, jobs, ["lr=0.1", "lr=0.2"])
+    fig = opened[0]
+    fig.canvas.draw()
+    minor = [t.get_text() for t in fig.axes[0].yaxis.get_minorticklabels() if t.get_text()]
+    assert minor and all(label.lstrip("0.").startswith(("2", "5")) for label in minor), minor
+    close(fig)
+    assert (tmp_path / "sweep_curves.png").read_bytes()[:4] == b"\x89PNG"

@@ -297,6 +297,15 @@ def default_run_dir() -> str:
 OmegaConf.register_new_resolver("distsync_run_dir", default_run_dir, use_cache=True, replace=True)
 
 
+def installed_doc(name: str) -> str:
+    """Where the documentation file ``name`` (``training.md``) is installed with the package, for
+    ``--help``: a wheel has no ``docs/`` folder. Registered as the resolver ``${distsync_doc:name}``."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+
+
+OmegaConf.register_new_resolver("distsync_doc", installed_doc, replace=True)
+
+
 # ------------------------------------------------------------------------------------------- task function
 
 

@@ -92,9 +92,9 @@ _MARKERS_UP_TO = 30
 """Curves with at most this many points get a marker on each point."""
 
 
-def _series(rows: list[dict], key: str, scale: float = 1.0, positive: bool = False):
+def _series(rows: list[dict], key: str, scale: float = 1.0):
     points = [(r["step"], r.get(key)) for r in rows if isinstance(r.get(key), (int, float))]
-    points = [(s, v * scale) for s, v in points if math.isfinite(v) and (v > 0 or not positive)]
+    points = [(s, v * scale) for s, v in points if math.isfinite(v)]
     return [s for s, _ in points], [v for _, v in points]
 
 
@@ -122,6 +122,35 @@ def _two_and_five(value: float, _position) -> str:
     return f"{value:g}" if round(mantissa, 6) in (2.0, 5.0) else ""
 
 
+def loss_axis(ax, shown: list[float]) -> None:
+    """A logarithmic loss axis for the values ``shown``, labelled with plain numbers (0.5, not 5 x 10^-1).
+
+    Under two decades, minor ticks at 2 and 5 times a power of ten are labelled too (all eight would
+    crowd each other), and the axis goes down to a labelled tick at or below the lowest loss. A loss of
+    zero or below (a memorized batch, a loss of your own) cannot sit on a log axis: the axis is then
+    linear up to the smallest positive loss (matplotlib's ``symlog``) and says so, rather than drop it.
+    """
+    from matplotlib.ticker import FuncFormatter
+
+    if not shown:
+        ax.set_ylabel("loss")
+        return
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    positive = [v for v in shown if v > 0]
+    if len(positive) < len(shown):
+        linear_below = _labelled_floor(min(positive), (1,)) if positive else 1.0
+        ax.set_yscale("symlog", linthresh=linear_below)
+        ax.yaxis.set_major_formatter(plain)
+        ax.set_ylabel(f"loss (linear below {linear_below:g}, log above)")
+        return
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(plain)
+    few_decades = math.log10(max(shown) / min(shown)) < 2
+    ax.yaxis.set_minor_formatter(FuncFormatter(_two_and_five if few_decades else lambda *_: ""))
+    ax.set_ylim(bottom=_labelled_floor(min(shown), (1, 2, 5) if few_decades else (1,)))
+    ax.set_ylabel("loss (log scale)")
+
+
 def curves_figure(rows: list[dict], title: str = ""):
     """Training and held-out loss (log axis) and held-out accuracy against the step, as a Figure.
 
@@ -131,7 +160,7 @@ def curves_figure(rows: list[dict], title: str = ""):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
+    from matplotlib.ticker import MaxNLocator
 
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
@@ -141,23 +170,12 @@ def curves_figure(rows: list[dict], title: str = ""):
         marker = "o" if len(steps) <= _MARKERS_UP_TO else None
         ax.plot(steps, values, marker=marker, markersize=4, **kwargs)
 
-    loss_steps, losses = _series(train, "loss", positive=True)
-    eval_steps, eval_losses = _series(evals, "eval_loss", positive=True)
+    loss_steps, losses = _series(train, "loss")
+    eval_steps, eval_losses = _series(evals, "eval_loss")
     plot(ax_loss, loss_steps, losses, label="train")
     plot(ax_loss, eval_steps, eval_losses, label="held-out")
-    if losses or eval_losses:
-        ax_loss.set_yscale("log")
-        # Plain numbers (0.5, not 5 x 10^-1); when under two decades are shown, minor ticks at 2 and 5
-        # times a power of ten get labels too (all eight would crowd each other).
-        shown = losses + eval_losses
-        plain = FuncFormatter(lambda value, _: f"{value:g}")
-        ax_loss.yaxis.set_major_formatter(plain)
-        few_decades = math.log10(max(shown) / min(shown)) < 2
-        if few_decades:
-            ax_loss.yaxis.set_minor_formatter(FuncFormatter(_two_and_five))
-        # Down to a labelled tick at or below the lowest loss.
-        ax_loss.set_ylim(bottom=_labelled_floor(min(shown), (1, 2, 5) if few_decades else (1,)))
-    ax_loss.set(xlabel="step", ylabel="cross-entropy (log scale)", title="loss")
+    loss_axis(ax_loss, losses + eval_losses)
+    ax_loss.set(xlabel="step", title="loss")
     ax_loss.legend()
     acc_steps, accuracies = _series(evals, "accuracy", scale=100.0)
     plot(ax_acc, acc_steps, accuracies, color="tab:green")

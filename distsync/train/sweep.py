@@ -17,7 +17,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 
-from .metrics import MetricsLog, _series, write_json_atomic, write_text_atomic
+from .metrics import MetricsLog, _series, loss_axis, write_json_atomic, write_text_atomic
 
 __all__ = ["SweepSummary", "summarize_sweep"]
 
@@ -96,21 +96,18 @@ def _plot(sweep: Path, jobs: list[Path], labels: list[str]) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
 
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
     for job, label in zip(jobs, labels, strict=True):
         rows = MetricsLog(job / "metrics.jsonl", enabled=False).rows()
-        train = _series([r for r in rows if r.get("kind") == "train"], "loss", positive=True)
+        train = _series([r for r in rows if r.get("kind") == "train"], "loss")
         evals = _series([r for r in rows if r.get("kind") == "eval"], "accuracy", scale=100.0)
         if train[0]:
             ax_loss.plot(*train, label=label)
         if evals[0]:
             ax_acc.plot(*evals, marker="o", markersize=3, label=label)
-    ax_loss.set(xlabel="step", ylabel="cross-entropy (log scale)", title="training loss", yscale="log")
-    plain = FuncFormatter(lambda value, _: f"{value:g}")
-    ax_loss.yaxis.set_major_formatter(plain)
-    ax_loss.yaxis.set_minor_formatter(plain)
+    loss_axis(ax_loss, [v for line in ax_loss.get_lines() for v in line.get_ydata()])
+    ax_loss.set(xlabel="step", title="training loss")
     ax_acc.set(xlabel="step", ylabel="%", title="held-out accuracy")
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3, which="both")
