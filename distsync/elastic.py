@@ -157,6 +157,7 @@ def launch(
         max_restarts=max_restarts,
         monitor_interval=monitor_interval,
         start_method=start_method,
+        rdzv_endpoint=rdzv_endpoint,
     )
     min_nodes, max_nodes = _parse_nnodes(nnodes)
     if standalone is None:
@@ -211,6 +212,7 @@ def check_options(
     max_restarts: int = 0,
     monitor_interval: float = 0.1,
     start_method: str = "spawn",
+    rdzv_endpoint: str = "",
     **_: Any,
 ) -> None:
     """Raise ``ValueError`` with one line if an option of :func:`launch` cannot work; other options pass."""
@@ -223,6 +225,9 @@ def check_options(
         raise ValueError(f"monitor_interval must be a number of seconds > 0, got {monitor_interval!r}")
     if start_method not in _START_METHODS:
         raise ValueError(f"start_method must be one of {', '.join(_START_METHODS)}, got {start_method!r}")
+    _, colon, port = str(rdzv_endpoint).rpartition(":")
+    if colon and not (port.isdigit() and int(port) < 65536):
+        raise ValueError(f"rdzv_endpoint {rdzv_endpoint!r}: the port must be an integer between 0 and 65535")
 
 
 # ------------------------------------------------------------------------------------------------ options

@@ -383,27 +383,31 @@ def launch(cfg: TrainConfig, run_dir: str) -> dict:
     Workers that die are restarted together up to ``trainer.max_restarts`` times and resume from the
     newest checkpoint.
     """
-    from distsync.elastic import LaunchError
+    from distsync.elastic import LaunchError, check_options
     from distsync.elastic import launch as elastic_launch
 
     from .worker import run
 
     t = cfg.trainer
+    options = dict(
+        nproc_per_node=t.nproc_per_node,
+        nnodes=t.nnodes,
+        rdzv_endpoint=t.rdzv_endpoint,
+        rdzv_id=t.rdzv_id,
+        max_restarts=t.max_restarts,
+        monitor_interval=t.monitor_interval,
+    )
+    try:
+        check_options(**options)
+    except ValueError as error:
+        _refuse_early(str(error), error)
     lock = _lock_for_workers(cfg, run_dir)
     resume = resume_command(run_dir)
     if resume:
         _say(f"run directory {run_dir}; after an interruption, resume it with: {resume}")
     try:
         return elastic_launch(
-            functools.partial(run, run_dir=os.path.abspath(run_dir)),
-            cfg,
-            nproc_per_node=t.nproc_per_node,
-            nnodes=t.nnodes,
-            rdzv_endpoint=t.rdzv_endpoint,
-            rdzv_id=t.rdzv_id,
-            max_restarts=t.max_restarts,
-            monitor_interval=t.monitor_interval,
-            role="distsync",
+            functools.partial(run, run_dir=os.path.abspath(run_dir)), cfg, role="distsync", **options
         )
     except LaunchError as error:
         _fail(f"training failed: {error}", error)
