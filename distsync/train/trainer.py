@@ -65,6 +65,17 @@ FINAL_LOSS_STEPS = 10  # summary.json's final_loss: the mean training loss of th
 
 
 class Trainer:
+    """One rank's share of a run: builds its pieces, resumes from the run directory's newest checkpoint,
+    then :meth:`fit` trains to ``trainer.max_steps`` and returns the summary (the same on every rank).
+
+    Args:
+        cfg: the resolved configuration
+        run_dir: the run directory, locked for this job
+        device: this rank's device
+        started: when this attempt's process started (``time.time()``)
+        cores_per_rank: the host's cores over the ranks on it, for ``data.num_workers``'s default
+    """
+
     def __init__(
         self, cfg: TrainConfig, run_dir: Path, device: torch.device, started: float, cores_per_rank: int = 1
     ) -> None:
@@ -123,6 +134,8 @@ class Trainer:
             with building("optim.scheduler" if cfg.optim.scheduler else "optim", cfg.optim.scheduler):
                 self.scheduler = build_scheduler(cfg, self.optimizer)
         except Exception as error:
+            if not is_distributed():
+                raise
             failure = error
         messages = all_gather_object(None if failure is None else str(failure))
         failed = [rank for rank, message in enumerate(messages) if message is not None]
