@@ -43,6 +43,7 @@ class _Forward(NamedTuple):
     shape: tuple[int, ...]  # the input's shape past the batch dimension
     dtype: torch.dtype
     device: torch.device
+    requires_grad: bool  # only then does the call's backward communicate
 
 
 class _Backward(NamedTuple):
@@ -57,11 +58,11 @@ class _SyncedLayersJoinable(Joinable):
         self._model = model
         layers = [m for m in model.modules() if isinstance(m, DistSyncBatchNorm)]
         self._layers = weakref.WeakSet(layers)
-        if any(layer.process_group is None for layer in layers):
-            group = dist.new_group()  # the same ranks, apart from DDP's collectives (made on every rank)
-            for layer in layers:
-                if layer.process_group is None:
-                    layer.process_group = group
+        # Layers on the default group use one of their own (the same ranks, apart from DDP's collectives;
+        # made here, on every rank) inside the Join only: outside it the model holds no group object, so it
+        # deep-copies and pickles as before.
+        self._on_default = weakref.WeakSet(layer for layer in layers if layer.process_group is None)
+        self._group = dist.new_group() if len(self._on_default) else None
         self._steps: list[Any] = []  # the synchronized calls of this rank's step so far
         self._last_step: list[Any] = []  # those of its last finished step
         self._replaying = False
@@ -114,11 +115,18 @@ class _SyncedLayersJoinable(Joinable):
                 "distsync.joinable needs the DDP model in the same Join: "
                 "Join([distsync.joinable(ddp_model), ddp_model])"
             )
+        if config.enable:
+            self.use_own_group(True)
         work = Join.notify_join_context(self)  # the first joinable's "not joined yet" all-reduce
         if work is not None and hasattr(self._model, "reducer"):  # what DDP does with it when it is first
             self._model.reducer._set_forward_pass_work_handle(work, self._model._divide_by_initial_world_size)
         if self._steps:
             self._last_step, self._steps = self._steps, []
+
+    def use_own_group(self, inside: bool) -> None:
+        """Put the layers that sync over the default group on the joinable's own group, or back."""
+        for layer in self._on_default:
+            layer.process_group = self._group if inside else None
 
     def _observe(self, layer: DistSyncBatchNorm, input: Tensor, output: Tensor | None) -> None:
         if layer not in self._layers or output is None:
@@ -127,8 +135,10 @@ class _SyncedLayersJoinable(Joinable):
             self._replayed.append(output)
             return
         index = len([e for e in self._steps if isinstance(e, _Forward)])
-        self._steps.append(_Forward(weakref.ref(layer), tuple(input.shape[1:]), input.dtype, input.device))
-        if output.grad_fn is not None:
+        shape = tuple(input.shape[1:])
+        event = _Forward(weakref.ref(layer), shape, input.dtype, input.device, input.requires_grad)
+        self._steps.append(event)
+        if output.grad_fn is not None and input.requires_grad:
             output.grad_fn.register_prehook(lambda grads, index=index: self._backward_made(index))
 
     def _backward_made(self, index: int) -> None:
@@ -160,7 +170,8 @@ class _SyncedLayersJoinable(Joinable):
         layer = event.layer()
         if layer is None:
             raise RuntimeError("distsync.joinable: a synchronized layer of the model is gone")
-        empty = torch.zeros((0, *event.shape), dtype=event.dtype, device=event.device, requires_grad=True)
+        empty = torch.zeros((0, *event.shape), dtype=event.dtype, device=event.device)
+        empty.requires_grad_(event.requires_grad)
         layer(empty)
 
 
@@ -181,6 +192,7 @@ class _ReplayHook(JoinHook):
         _wait(replay, shadow)
 
     def post_hook(self, is_last_joiner: bool) -> None:
+        self._joinable.use_own_group(False)
         if self.shadow is not None:  # DDP's: the last joiner's model is broadcast to every rank
             self.shadow.post_hook(is_last_joiner)
 
