@@ -83,13 +83,31 @@ def test_joined_ranks_shadow_the_synced_layers(counts):
             torch.testing.assert_close(buffers[key].to(want.dtype), want, rtol=1e-5, atol=1e-5, msg=key)
 
 
-def test_synced_calls_that_change_after_a_rank_joined_raise_on_every_rank():
-    """The training rank raises SyncMismatchError; the joined rank's replay finds it too, but DDP's join
-    hook, waiting for the gradient all-reduces of a step that never comes, raises first once the other
-    rank has left (gloo: connection closed). Nobody hangs."""
-    first, joined = run_world(_train, 2, [3, 1], 2, timeout=150)
-    assert first == "SyncMismatchError"
-    assert joined in ("SyncMismatchError", "RuntimeError")
+def _mismatch(rank, world_size, counts, extra_at, sync_buffers):
+    """What each rank raises, and the message, when rank 0's synced calls change after others joined."""
+    model = distsync.convert_sync_batchnorm(_Net())
+    ddp = DistributedDataParallel(model, forward_sync_buffers=sync_buffers)
+    try:
+        with Join([distsync.joinable(ddp), ddp]):
+            for step in range(counts[rank]):
+                model.use_extra = step == extra_at
+                ddp(_batch(rank, step).float()).sum().backward()
+    except Exception as error:  # the test compares what each rank raised
+        return type(error).__name__, str(error)
+    return None, ""
+
+
+@pytest.mark.parametrize(
+    "counts, sync_buffers", [([3, 1], False), ([3, 2, 1], True)], ids=["2-ranks", "3-ranks-buffers"]
+)
+def test_synced_calls_that_change_after_a_rank_joined_raise_on_every_rank(counts, sync_buffers):
+    """Rank 0 calls an extra layer at its last step, after the others joined: the ranks replaying their last
+    step find it from the reduced values as rank 0 does, and raise at once (not once rank 0 has left)."""
+    outcomes = run_world(_mismatch, len(counts), counts, 2, sync_buffers, timeout=150)
+    assert [name for name, _ in outcomes] == ["SyncMismatchError"] * len(counts), outcomes
+    assert "'extra'" in outcomes[0][1]
+    for _, message in outcomes[1:]:  # the joined ranks say what happened, and which call they replayed
+        assert "joined" in message and "changed" in message and "out of step at 'bn2'" in message
 
 
 def _wrong_order(rank, world_size):

@@ -21,6 +21,7 @@ from .config import ConfigError, TrainConfig
 from .data import batches_per_epoch, load_data
 from .model import build_model
 from .optim import build_optimizer, build_scheduler
+from .streaming import first_input
 from .targets import TARGET, instantiate
 
 __all__ = ["building", "check_buildable", "check_builtin_data"]
@@ -97,8 +98,7 @@ def _check_datasets(cfg: TrainConfig, world_size: int) -> tuple[int | None, int]
     if cfg.model.factory:
         return None, cfg.data.num_classes
     with building("data.train", cfg.data.train):  # the first sample: the channels of the built-in CNN
-        sample = next(iter(train))[0] if not hasattr(train, "__getitem__") else train[0][0]
-    return sample.shape[0], cfg.data.num_classes
+        return first_input(train).shape[0], cfg.data.num_classes
 
 
 def _build_model_off_device(build: Callable[[], nn.Module], cfg: TrainConfig) -> nn.Module:

@@ -120,3 +120,8 @@ def check_targets(cfg) -> None:
     for node, key, positional in nodes:
         if node:
             check_node(node, key, positional)
+    if cfg.data.train:
+        from .streaming import check_streaming, is_stream  # lazy: streaming imports the trainer's modules
+
+        if is_stream(import_target(cfg.data.train[TARGET])):  # a dataset class; a factory is checked later
+            check_streaming(cfg)

@@ -47,6 +47,7 @@ from .metrics import MetricsLog, plot_curves, write_json_atomic
 from .model import all_norms_synced, build_model
 from .optim import build_optimizer, build_scheduler
 from .resume import ResumeError, check_resume
+from .streaming import StreamBatches, check_streaming, first_input, is_stream, train_streaming
 from .targets import instantiate
 
 __all__ = ["Trainer", "FINAL_LOSS_STEPS", "KILL_AT_STEP_ENV"]
@@ -154,16 +155,21 @@ class Trainer:
         else:
             self.train, self.test = build_datasets(cfg.data)
             self.num_classes = cfg.data.num_classes
-            self.in_channels = None if cfg.model.factory else self.train[0][0].shape[0]
+            self.in_channels = None if cfg.model.factory else first_input(self.train).shape[0]
         self.batches = self._training_batches(cfg.trainer.seed)
 
-    def _training_batches(self, seed: int) -> ShardedBatches | LoaderBatches:
-        """This rank's endless training batches, shuffled with ``seed``."""
+    def _training_batches(self, seed: int) -> ShardedBatches | LoaderBatches | StreamBatches:
+        """This rank's endless training batches, shuffled with ``seed`` (a stream's: one pass)."""
         d = self.cfg.data
         if not d.train:
             return ShardedBatches(self.train, d.batch_size, self.rank, self.world_size, seed)
         pin_memory = self.device.type == "cuda"
         workers = self.loader_workers
+        if is_stream(self.train):  # see distsync.train.streaming
+            check_streaming(self.cfg)
+            # A stream splits itself among loader workers only if it is written to: none unless asked.
+            workers = d.num_workers or 0
+            return StreamBatches(self.train, d.batch_size, workers, pin_memory=pin_memory)
         return LoaderBatches(
             self.train, d.batch_size, self.rank, self.world_size, seed, workers, pin_memory=pin_memory
         )
@@ -256,6 +262,8 @@ class Trainer:
         return self._finish()
 
     def _train(self, bar) -> None:
+        if isinstance(self.batches, StreamBatches):  # passes of uneven length, under DDP's Join
+            return train_streaming(self, bar)
         t = self.cfg.trainer
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # sum of losses, count
         batches = iter(self.batches)
