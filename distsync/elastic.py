@@ -127,7 +127,9 @@ def launch(
             worker's ``CUDA_VISIBLE_DEVICES`` to ``2,3`` (its ``cuda:0`` is GPU 2; ``nproc_per_node`` at most
             2, ``"gpu"``/``"auto"`` count 2); ``DeviceSet("cpu", range(4, 8))`` sets every worker's CPU
             affinity to cores 4-7 and torch's threads to their share of them. Set in each worker before
-            ``fn`` runs. Default: None, every device this process sees
+            ``fn`` runs. Several worlds at once: start each from a process of its own (as
+            ``hydra.launcher.n_jobs`` does), not from threads, which would share the agent's signal
+            handling. Default: None, every device this process sees
 
     Returns:
         what ``fn`` returned on global rank 0 (on a node without rank 0: on that node's lowest rank)
