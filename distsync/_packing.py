@@ -18,8 +18,8 @@ Ending: a failed job (its task raised, its process died) fails alone and the bat
 SIGTERM to the launcher (Ctrl-C, a scheduler) is passed to every running job, whose agent stops its
 workers; no further job starts, and once every job process has ended the launcher exits 128 + the signal
 (130, 143), as a single job does. Each job process runs in its own process group (a terminal's Ctrl-C
-reaches it once, through the launcher) and dies with the launcher (:func:`distsync.lifeline.die_with_parent`;
-its workers die with it in turn).
+reaches it once, through the launcher) and is sent SIGTERM when the launcher exits, even SIGKILLed
+(``PR_SET_PDEATHSIG``); its workers die with it in turn.
 """
 
 from __future__ import annotations
@@ -108,13 +108,11 @@ def _slot_order(slots: Sequence[DeviceSet], free: list[DeviceSet], slot: DeviceS
 
 def _job_process(job: Callable[[DeviceSet], Any], slot: DeviceSet, writer: Connection) -> None:
     """The job process: its own process group, dies with the launcher, runs the job, sends how it ended."""
-    from .lifeline import die_with_parent
-
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
-    die_with_parent()
     for signum in _STOP_SIGNALS:  # until the job's agent installs its own handlers
         signal.signal(signum, _exit_on_signal)
+    _terminated_with_launcher()
     try:
         outcome: tuple[str, Any] = ("value", job(slot))
     except SystemExit as stop:
@@ -124,6 +122,19 @@ def _job_process(job: Callable[[DeviceSet], Any], slot: DeviceSet, writer: Conne
         outcome = ("error", error)
     writer.send_bytes(_dumps(outcome))
     writer.close()
+
+
+def _terminated_with_launcher() -> None:
+    """SIGTERM this job process when the launcher exits (``PR_SET_PDEATHSIG``): its agent then stops its
+    workers as on any SIGTERM. Not :func:`distsync.lifeline.die_with_parent`, which arms once per process:
+    workers forked from here (``start_method=fork``) would inherit it armed, for the wrong parent."""
+    import ctypes
+
+    launcher = multiprocessing.parent_process()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if launcher is not None and os.getppid() != launcher.pid:  # it exited before prctl took effect
+        raise SystemExit(128 + signal.SIGTERM)
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
