@@ -4,6 +4,7 @@ from ._health import check_sync
 from ._identity import name_layers
 from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
 from .convert import BatchNormNd, convert_sync_batchnorm, revert_sync_batchnorm
+from .devices import DeviceSet
 from .distributed import init_distributed
 from .elastic import LaunchError, NonRetryableError, launch
 from .errors import SyncError, SyncMismatchError
@@ -17,6 +18,7 @@ from .precise_bn import update_bn
 
 __all__ = [
     "BatchNormNd",
+    "DeviceSet",
     "DistSyncBatchNorm",
     "DistSyncBatchNorm1d",
     "DistSyncBatchNorm2d",

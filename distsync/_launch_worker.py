@@ -139,13 +139,14 @@ def _by_reference(fn: Callable) -> Any:
 
 
 class WorkerSetup:
-    """What a worker needs of the launching Hydra job: the hydra node (resolved) and the log directory."""
+    """What a worker needs of the launching process: the Hydra job's hydra node (resolved), the log
+    directory, and the devices of the world (a :class:`~distsync.devices.DeviceSet`, or None)."""
 
-    def __init__(self, hydra_cfg: Any, log_dir: str | None) -> None:
-        self.hydra_cfg, self.log_dir = hydra_cfg, log_dir
+    def __init__(self, hydra_cfg: Any, log_dir: str | None, devices: Any = None) -> None:
+        self.hydra_cfg, self.log_dir, self.devices = hydra_cfg, log_dir, devices
 
     @classmethod
-    def capture(cls, log_dir: str | os.PathLike | None) -> WorkerSetup:
+    def capture(cls, log_dir: str | os.PathLike | None, devices: Any = None) -> WorkerSetup:
         hydra_cfg = None
         if "hydra" in sys.modules:
             from hydra.core.hydra_config import HydraConfig
@@ -155,7 +156,7 @@ class WorkerSetup:
                 _plain_plugin_nodes(hydra_cfg.hydra)
                 if log_dir is None:
                     log_dir = os.path.join(hydra_cfg.hydra.runtime.output_dir, "logs")
-        return cls(hydra_cfg, os.path.abspath(log_dir) if log_dir is not None else None)
+        return cls(hydra_cfg, os.path.abspath(log_dir) if log_dir is not None else None, devices)
 
     def restore(self, rank: int) -> None:
         """Hydra's config for ``HydraConfig.get()``, and logging as Hydra set it up for the job."""
@@ -255,6 +256,10 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
     atexit.register(_end_without_teardown)
     rank = int(os.environ.get("RANK", "0"))
     try:
+        if setup.devices is not None:  # before fn and its config touch CUDA or start torch's threads
+            from distsync.devices import pin_process
+
+            pin_process(setup.devices)
         setup.restore(rank)
         fn, cfg = sent.unpack() if isinstance(sent, Pickled) else sent
         if isinstance(fn, _FunctionRef):

@@ -23,7 +23,10 @@ import sys
 import threading
 import uuid
 from collections.abc import Callable
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+if TYPE_CHECKING:
+    from .devices import DeviceSet
 
 __all__ = ["LaunchError", "NonRetryableError", "check_options", "launch", "under_elastic_agent"]
 
@@ -82,6 +85,7 @@ def launch(
     start_method: str = "spawn",
     log_dir: str | os.PathLike | None = None,
     role: str = "default",
+    devices: DeviceSet | None = None,
 ) -> T:
     """Run ``fn(cfg)`` on every rank of a torchrun world and return rank 0's return value.
 
@@ -125,6 +129,14 @@ def launch(
         log_dir: where rank ``N`` writes ``rank<N>.log`` (the root logger). Default: ``logs/`` in the
             Hydra job's output directory, or no files outside Hydra
         role: the workers' role name in the elastic agent's logs. Default: ``"default"``
+        devices: a :class:`~distsync.DeviceSet`, the devices this world runs on, so that several worlds
+            share a machine without sharing GPUs or cores: ``DeviceSet("cuda", (2, 3))`` sets every
+            worker's ``CUDA_VISIBLE_DEVICES`` to ``2,3`` (its ``cuda:0`` is GPU 2; ``nproc_per_node`` at most
+            2, ``"gpu"``/``"auto"`` count 2); ``DeviceSet("cpu", range(4, 8))`` sets every worker's CPU
+            affinity to cores 4-7 and torch's threads to their share of them. Set in each worker before
+            ``fn`` runs. Several worlds at once: start each from a process of its own (as
+            ``hydra.launcher.n_jobs`` does), not from threads, which would share the agent's signal
+            handling. Default: None, every device this process sees
 
     Returns:
         what ``fn`` returned on global rank 0 (on a node without rank 0: on that node's lowest rank)
@@ -159,6 +171,10 @@ def launch(
         start_method=start_method,
         rdzv_endpoint=rdzv_endpoint,
     )
+    if devices is not None:
+        from .devices import nproc_on
+
+        nproc_per_node = nproc_on(devices, nproc_per_node)
     min_nodes, max_nodes = _parse_nnodes(nnodes)
     if standalone is None:
         standalone = max_nodes == 1 and not rdzv_endpoint
@@ -170,7 +186,7 @@ def launch(
         rdzv_endpoint, rdzv_id = _rendezvous(rdzv_endpoint, rdzv_id, max_nodes)
     rdzv_conf, timeout_s = _rendezvous_conf(rdzv_backend, rdzv_conf, max_nodes)
 
-    setup = WorkerSetup.capture(log_dir)
+    setup = WorkerSetup.capture(log_dir, devices)
     sent = pack(fn, _resolved_for_workers(cfg))
     config = LaunchConfig(
         min_nodes=min_nodes,

@@ -106,3 +106,22 @@ def flush_at_exit(path):
 
     atexit.register(lambda: open(f"{path}.{os.environ['RANK']}", "w").close())
     return "registered"
+
+
+def devices_seen(cfg):
+    """What this rank was confined to: its CUDA_VISIBLE_DEVICES, its cores and torch's threads."""
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0))
+    return int(os.environ["RANK"]), os.environ.get("CUDA_VISIBLE_DEVICES"), cores, torch.get_num_threads()
+
+
+def all_ranks_devices(cfg):
+    """Every rank's :func:`devices_seen`, gathered on rank 0 through the world's store-backed group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, devices_seen(cfg))
+    dist.destroy_process_group()
+    return seen

@@ -2,11 +2,14 @@
 
 Hydra runs :class:`SweepSummary` (a Hydra callback, registered in the job's config) as the jobs of a ``-m``
 sweep end. It reads what each job left in its directory (``summary.json``, ``metrics.jsonl``,
-``.hydra/overrides.yaml``), so it also summarizes jobs that failed (no ``summary.json``).
+``.hydra/overrides.yaml``), so it also summarizes jobs that failed (no ``summary.json``). Jobs that run at
+once (``hydra.launcher.n_jobs``) summarize one at a time, so the last one to end writes the last word.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -18,6 +21,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 
 from .metrics import MetricsLog, _series, loss_axis, write_json_atomic, write_text_atomic
+from .rundir import LOCK_NAME
 
 __all__ = ["SweepSummary", "summarize_sweep"]
 
@@ -42,9 +46,27 @@ class SweepSummary(Callback):
 def summarize_sweep(sweep_dir: str | os.PathLike) -> list[dict] | None:
     """Summarize every job directory under ``sweep_dir``; return the rows (None if it holds no job)."""
     sweep = Path(sweep_dir)
-    jobs = sorted((path.parent.parent for path in sweep.glob("**/.hydra/overrides.yaml")), key=_job_sort_key)
-    if not jobs:
+    if not sweep.is_dir():
         return None
+    with _one_at_a_time(sweep):
+        jobs = sorted(
+            (path.parent.parent for path in sweep.glob("**/.hydra/overrides.yaml")), key=_job_sort_key
+        )
+        return _summarize(sweep, jobs) if jobs else None
+
+
+@contextlib.contextmanager
+def _one_at_a_time(sweep: Path):
+    """An exclusive ``flock`` on ``<sweep>/.summary.lock`` (none where the filesystem cannot lock)."""
+    with open(sweep / ".summary.lock", "a") as file:
+        try:
+            fcntl.flock(file.fileno(), fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield  # the lock goes with the file
+
+
+def _summarize(sweep: Path, jobs: list[Path]) -> list[dict]:
     rows = [_job_row(sweep, job) for job in jobs]
     common = set.intersection(*(set(row["overrides"]) for row in rows))
     swept = [[o for o in row["overrides"] if o not in common] for row in rows]
@@ -65,8 +87,23 @@ def _job_row(sweep: Path, job: Path) -> dict:
     try:
         summary = json.loads((job / "summary.json").read_text())
     except (OSError, ValueError):
-        return row | {"status": "failed"}
+        return row | {"status": "running" if _running(job) else "failed"}
     return row | {"status": "done"} | {key: summary.get(key) for key in _METRICS}
+
+
+def _running(job: Path) -> bool:
+    """Whether a job still holds its run directory's lock (a job running beside this one)."""
+    try:
+        fd = os.open(job / LOCK_NAME, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def _table(rows: list[dict], swept: list[list[str]]) -> str:

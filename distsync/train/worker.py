@@ -81,13 +81,16 @@ def run(cfg: TrainConfig, run_dir: str) -> dict:
 
 
 def cpu_threads_per_rank() -> int:
-    """This machine's cores shared among the ranks running on it, however many agents started them.
+    """The cores this process may use shared among the ranks running on its host, however many agents
+    started them.
 
     torchrun sets ``OMP_NUM_THREADS=1`` only for several workers per agent, so two agents with one worker
     each on one machine would run twice the threads of one agent with two workers, and sum in another
-    order: counting the ranks per host gives every layout the same threads, and the same results.
+    order: counting the ranks per host gives every layout the same threads, and the same results. The
+    cores are the process's CPU affinity, which a packed sweep (``hydra.launcher.n_jobs``) or a scheduler
+    narrows to the job's own.
     """
-    cores = os.cpu_count() or 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if not is_distributed():
         return cores
     hosts: list[str | None] = [None] * get_world_size()

@@ -3,6 +3,8 @@
     python app.py                                     # one run: a 2-rank world
     python app.py -m lr=0.05,0.2                      # a sweep: one world per job, one job after the other
     python app.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=2 lr=0.05,0.2  # by the plugin
+    python app.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=1 hydra.launcher.n_jobs=2 \
+        lr=0.05,0.1,0.2,0.4                           # two jobs at a time, each on its own cores (or GPUs)
     python app.py -m hydra/sweeper=optuna hydra.sweeper.n_trials=4 hydra.sweeper.direction=maximize \
         'lr=interval(0.01,0.3)'                       # Optuna maximizes what rank 0 returns
 
@@ -97,6 +99,8 @@ def _record(cfg: DictConfig, run_dir: str, rank: int) -> None:
         "job_num": hydra_cfg.job.get("num"),
         "world_size": dist.get_world_size(),
         "pid": os.getpid(),
+        "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
     with open(os.path.join(run_dir, f"rank{rank}.json"), "w") as file:
         json.dump(record, file)

@@ -1,11 +1,19 @@
 """``hydra/launcher=torchrun``: run every job of a Hydra sweep as its own torchrun world.
 
     python my_app.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=4 lr=0.1,0.2
+    python my_app.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=2 hydra.launcher.n_jobs=auto \
+        lr=0.1,0.2,0.4,0.8      # as many 2-GPU jobs at once as the GPUs hold, each on its own GPUs
 
 Each job's config is composed in this process, as Hydra's basic launcher does, and the task function then
 runs on every rank of a world that :func:`distsync.launch` starts for the job: the config resolved once,
 one run directory for all ranks, ``HydraConfig`` in the workers, rank 0's return value back to the sweeper.
 A job whose workers fail is recorded as failed; the other jobs of the batch still run.
+
+With ``hydra.launcher.n_jobs`` > 1 up to that many jobs of a batch run at once, each in a process of its
+own (:mod:`distsync._packing` says why) and each world on devices of its own: ``nproc_per_node`` GPUs per job
+(``CUDA_VISIBLE_DEVICES``), or on a machine without GPUs an equal share of the cores (CPU affinity). The
+split is :func:`distsync.devices.split_devices`; ``n_jobs=1``, the default, runs the jobs one after the other
+in this process, on every device, as before.
 """
 
 # No ``from __future__ import annotations`` here: Hydra imports plugins outside ``sys.modules``, where
@@ -13,12 +21,13 @@ A job whose workers fail is recorded as failed; the other jobs of the batch stil
 
 import functools
 import logging
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
 from hydra.errors import ConfigCompositionException
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
@@ -43,6 +52,7 @@ class TorchrunLauncherConf:
     monitor_interval: float = 0.1
     start_method: str = "spawn"
     log_dir: Optional[str] = None  # noqa: UP045  (default: <job dir>/logs)
+    n_jobs: Any = 1  # jobs of a batch running at once, each on its own devices: an int, or "auto"
 
 
 ConfigStore.instance().store(
@@ -57,7 +67,7 @@ def _run_as_world(task_function: TaskFunction, options: dict[str, Any], cfg: Dic
 
 
 class TorchrunLauncher(Launcher):
-    """Runs each job of a sweep, one after the other, as a torchrun world of its own."""
+    """Runs each job of a sweep as a torchrun world of its own, ``n_jobs`` at a time (default: one)."""
 
     def __init__(self, **options: Any) -> None:
         self.options = options
@@ -74,34 +84,105 @@ class TorchrunLauncher(Launcher):
 
         try:  # once, before any job: one line, rather than one failed job after another
             check_options(**self._options_for(initial_job_idx))
+            slots = self._slots(len(job_overrides))
         except ValueError as error:
             raise ConfigCompositionException(f"hydra.launcher: {error}") from None
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        if slots is not None:
+            return self._launch_packed(job_overrides, initial_job_idx, slots)
         log.info(f"Launching {len(job_overrides)} jobs, each a torchrun world")
         runs = []
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
-            sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
-            with open_dict(sweep_config):
-                sweep_config.hydra.job.id = idx
-                sweep_config.hydra.job.num = idx
-            task = functools.partial(_run_as_world, self.task_function, self._options_for(idx))
-            runs.append(
-                run_job(
-                    hydra_context=self.hydra_context,
-                    task_function=task,
-                    config=sweep_config,
-                    job_dir_key="hydra.sweep.dir",
-                    job_subdir_key="hydra.sweep.subdir",
-                )
-            )
+            runs.append(self._run_job(idx, self._sweep_config(idx, overrides), None))
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return runs
 
+    def _sweep_config(self, idx: int, overrides) -> DictConfig:
+        assert self.config is not None and self.hydra_context is not None
+        sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+        with open_dict(sweep_config):
+            sweep_config.hydra.job.id = idx
+            sweep_config.hydra.job.num = idx
+        return sweep_config
+
+    def _run_job(self, idx: int, sweep_config: DictConfig, devices) -> JobReturn:
+        assert self.hydra_context is not None and self.task_function is not None
+        options = self._options_for(idx)
+        if devices is not None:
+            options["devices"] = devices
+        return run_job(
+            hydra_context=self.hydra_context,
+            task_function=functools.partial(_run_as_world, self.task_function, options),
+            config=sweep_config,
+            job_dir_key="hydra.sweep.dir",
+            job_subdir_key="hydra.sweep.subdir",
+        )
+
+    def _slots(self, jobs: int) -> Optional[list]:  # noqa: UP045
+        """The device sets of the jobs running at once; None to run the jobs one after the other here."""
+        from distsync.devices import split_devices, this_process_devices
+
+        n_jobs = self.options.get("n_jobs", 1)
+        n_jobs = int(n_jobs) if str(n_jobs).isdigit() else n_jobs
+        if n_jobs == 1:
+            return None
+        options = self._options_for(0)
+        if not sys.platform.startswith("linux"):
+            raise ValueError(f"n_jobs={n_jobs} runs jobs side by side on Linux only")
+        if (
+            str(options.get("nnodes", 1)) != "1"
+            or options.get("rdzv_endpoint")
+            or options.get("standalone") is False
+        ):
+            raise ValueError(
+                f"n_jobs={n_jobs} packs jobs on one node, each meeting on a free port of its own: it needs "
+                "nnodes=1 and no rdzv_endpoint (with several nodes, run one world per job)"
+            )
+        visible = this_process_devices()
+        nproc = options.get("nproc_per_node", 1)
+        if not str(nproc).isdigit():
+            raise ValueError(f"n_jobs={n_jobs} needs nproc_per_node as a number, got {nproc!r}")
+        slots = split_devices(visible, int(nproc), n_jobs, jobs=jobs)
+        return slots if len(slots) > 1 else None  # one job at a time: here, on every device, as n_jobs=1
+
+    def _launch_packed(self, job_overrides, initial_job_idx: int, slots: list) -> list[JobReturn]:
+        from distsync._packing import run_packed
+
+        where = "GPUs" if slots[0].kind == "cuda" else "cores"
+        log.info(
+            f"Launching {len(job_overrides)} jobs, each a torchrun world, {len(slots)} at a time, "
+            f"each on its own {where}"
+        )
+        jobs = list(enumerate(job_overrides, start=initial_job_idx))
+        configs = [self._sweep_config(idx, overrides) for idx, overrides in jobs]
+
+        def started(k: int, slot) -> None:
+            idx, overrides = jobs[k]
+            log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))} on {slot}")
+
+        ended = run_packed(
+            [
+                functools.partial(self._run_job, idx, config)
+                for (idx, _), config in zip(jobs, configs, strict=True)
+            ],
+            slots,
+            started,
+        )
+        returns = []
+        for (_, overrides), end in zip(jobs, ended, strict=True):
+            if isinstance(end.value, JobReturn):
+                returns.append(end.value)
+            else:  # the job's process failed outside its task (or died): the job failed
+                returns.append(
+                    JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=end.error)
+                )
+        return returns
+
     def _options_for(self, idx: int) -> dict[str, Any]:
-        options = {k: v for k, v in self.options.items() if not k.startswith("_")}
+        options = {k: v for k, v in self.options.items() if not k.startswith("_") and k != "n_jobs"}
         options = OmegaConf.to_container(OmegaConf.create(options), resolve=True)
         if options.get("rdzv_id"):
             options["rdzv_id"] = f"{options['rdzv_id']}-{idx}"

@@ -1,0 +1,223 @@
+"""``hydra.launcher.n_jobs``: run up to n jobs of a sweep's batch at once, each in a process of its own.
+
+Why processes, not threads: a Hydra job is not thread-safe. ``run_job`` sets the process-global
+``HydraConfig`` that :func:`distsync.launch` reads for its workers, may ``chdir`` into the job directory
+(``hydra.job.chdir=true``), sets ``hydra.job.env_set`` in ``os.environ`` (which spawned workers inherit),
+reconfigures the root logger for the job's ``<job>.log``, and runs the sweep's callbacks (the training job's
+sweep summary among them) in the job. So each running job gets a job process, forked from the launcher once
+its config is composed here: there ``run_job`` runs exactly as the sequential launcher runs it, and
+``distsync.launch`` there is the torchrun agent of the job's world, in that process's main thread, with
+torch's own signal handling. Forking costs a few milliseconds and nothing is pickled on the way in; what
+comes back is the job's ``JobReturn`` (its value, or the exception that failed it), by pickle, else by
+cloudpickle, else as a failure saying why it could not be sent.
+
+Devices: every running job owns one :class:`~distsync.DeviceSet` (a slot); a job that ends hands its slot
+to the next one. Jobs start in order and their results come back in job order whatever order they end in.
+
+Ending: a failed job (its task raised, its process died) fails alone and the batch goes on. SIGINT or
+SIGTERM to the launcher (Ctrl-C, a scheduler) is passed to every running job, whose agent stops its
+workers; no further job starts, and once every job process has ended the launcher exits 128 + the signal
+(130, 143), as a single job does. Each job process runs in its own process group (a terminal's Ctrl-C
+reaches it once, through the launcher) and is sent SIGTERM when the launcher exits, even SIGKILLed
+(``PR_SET_PDEATHSIG``); its workers die with it in turn.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from .devices import DeviceSet
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@dataclass
+class Ended:
+    """How one job ended: its value, or the exception that failed it, or the code its process exited with
+    (a ``SystemExit`` out of the job: the job's own agent stopped by a signal is 128 + the signal)."""
+
+    value: Any = None
+    error: BaseException | None = None
+    exit_code: int = 0
+
+
+def run_packed(
+    jobs: Sequence[Callable[[DeviceSet], Any]],
+    slots: Sequence[DeviceSet],
+    started: Callable[[int, DeviceSet], None] = lambda k, slot: None,
+) -> list[Ended]:
+    """Run ``jobs[k](slot)`` each in a forked process, at most ``len(slots)`` at once, each on a slot of
+    its own; return how each ended, in job order.
+
+    ``started(k, slot)`` is called in this process as job ``k`` starts. Raises ``SystemExit(128 + signal)``
+    after SIGINT/SIGTERM stopped the running jobs (none starts after it), and ``SystemExit(code)`` once
+    every job ended if a job process exited with a non-zero code of its own (no job starts after it).
+    """
+    if not slots:
+        raise ValueError("run_packed needs at least one slot")
+    forking = multiprocessing.get_context("fork")
+    ended: list[Ended | None] = [None] * len(jobs)
+    pending = collections.deque(range(len(jobs)))
+    free = list(slots)
+    running: dict[Connection, tuple[int, multiprocessing.process.BaseProcess, DeviceSet]] = {}
+    exit_code = 0
+    with _stop_on_signals(lambda: [proc for _, proc, _ in running.values()]) as stop:
+        while running or (pending and not stop.signum and not exit_code):
+            while pending and free and not stop.signum and not exit_code:
+                k, slot = pending.popleft(), free.pop(0)
+                reader, writer = forking.Pipe(duplex=False)
+                proc = forking.Process(target=_job_process, args=(jobs[k], slot, writer), name=f"job-{k}")
+                started(k, slot)
+                proc.start()
+                writer.close()
+                running[reader] = (k, proc, slot)
+                stop.reach(proc)  # a signal that came while it was starting
+            for reader in wait(list(running)):
+                k, proc, slot = running.pop(reader)  # type: ignore[call-overload]
+                ended[k] = _collect(reader, proc)  # type: ignore[arg-type]
+                exit_code = exit_code or ended[k].exit_code  # type: ignore[union-attr]
+                free.insert(_slot_order(slots, free, slot), slot)
+    if stop.signum:
+        name = signal.Signals(stop.signum).name
+        print(f"hydra/launcher=torchrun: stopped by {name}; every running job was stopped", file=sys.stderr)
+        raise SystemExit(128 + stop.signum)
+    if exit_code:
+        raise SystemExit(exit_code)
+    return ended  # type: ignore[return-value]
+
+
+def _slot_order(slots: Sequence[DeviceSet], free: list[DeviceSet], slot: DeviceSet) -> int:
+    """Where ``slot`` goes back among the free ones: in the order of ``slots`` (lowest devices first)."""
+    rank = list(slots).index(slot)
+    return sum(list(slots).index(other) < rank for other in free)
+
+
+# ---------------------------------------------------------------------------------------- job process
+
+
+def _job_process(job: Callable[[DeviceSet], Any], slot: DeviceSet, writer: Connection) -> None:
+    """The job process: its own process group, dies with the launcher, runs the job, sends how it ended."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    for signum in _STOP_SIGNALS:  # until the job's agent installs its own handlers
+        signal.signal(signum, _exit_on_signal)
+    _terminated_with_launcher()
+    try:
+        outcome: tuple[str, Any] = ("value", job(slot))
+    except SystemExit as stop:
+        code = stop.code
+        outcome = ("exit", 0 if code is None else code if isinstance(code, int) else 1)
+    except BaseException as error:  # KeyboardInterrupt included: the job failed, the sweep goes on
+        outcome = ("error", error)
+    writer.send_bytes(_dumps(outcome))
+    writer.close()
+
+
+def _terminated_with_launcher() -> None:
+    """SIGTERM this job process when the launcher exits (``PR_SET_PDEATHSIG``): its agent then stops its
+    workers as on any SIGTERM. Not :func:`distsync.lifeline.die_with_parent`, which arms once per process:
+    workers forked from here (``start_method=fork``) would inherit it armed, for the wrong parent."""
+    import ctypes
+
+    launcher = multiprocessing.parent_process()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+    if launcher is not None and os.getppid() != launcher.pid:  # it exited before prctl took effect
+        raise SystemExit(128 + signal.SIGTERM)
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _dumps(outcome: tuple[str, Any]) -> bytes:
+    """The outcome pickled; by value (cloudpickle) if pickle cannot; else a failure that says why."""
+    try:
+        return pickle.dumps(outcome)
+    except Exception as error:
+        first = error
+    try:
+        import cloudpickle
+
+        return cloudpickle.dumps(outcome)
+    except Exception:
+        pass
+    what = "value" if outcome[0] == "value" else "exception"
+    message = f"the job's {what} cannot be sent back to the launcher: {type(first).__name__}: {first}"
+    return pickle.dumps(("error", RuntimeError(message)))
+
+
+def _collect(reader: Connection, proc: multiprocessing.process.BaseProcess) -> Ended:
+    """How a job whose process sent something, or ended, ended."""
+    try:
+        data: bytes | None = reader.recv_bytes()
+    except (EOFError, OSError):
+        data = None
+    reader.close()
+    proc.join()
+    if data is None:
+        return Ended(error=RuntimeError(f"the job's process ended without a result ({_how(proc.exitcode)})"))
+    try:
+        kind, payload = pickle.loads(data)
+    except Exception as error:
+        return Ended(error=RuntimeError(f"the job's result cannot be read: {type(error).__name__}: {error}"))
+    if kind == "value":
+        return Ended(value=payload)
+    if kind == "exit":
+        return Ended(error=RuntimeError(f"the job exited with code {payload}"), exit_code=payload)
+    return Ended(error=payload)
+
+
+def _how(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    return f"exit code {exitcode}"
+
+
+# ---------------------------------------------------------------------------------------------- signals
+
+
+class _Stop:
+    """The signal that stops the batch, once one came, and which job processes it reached."""
+
+    def __init__(self, running: Callable[[], list[multiprocessing.process.BaseProcess]]) -> None:
+        self.running, self.signum, self.reached = running, 0, set()
+        self.owner = os.getpid()
+
+    def handle(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self.owner:  # a job process before it set its own handlers
+            raise SystemExit(128 + signum)
+        self.signum = self.signum or signum
+        for proc in self.running():
+            self.reach(proc)
+
+    def reach(self, proc: multiprocessing.process.BaseProcess) -> None:
+        if self.signum and proc.pid is not None and proc.pid not in self.reached:
+            self.reached.add(proc.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, self.signum)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(running: Callable[[], list[multiprocessing.process.BaseProcess]]) -> Iterator[_Stop]:
+    stop = _Stop(running)
+    if threading.current_thread() is not threading.main_thread():
+        yield stop  # signals go to the main thread's handlers: the caller's business there
+        return
+    previous = {signum: signal.signal(signum, stop.handle) for signum in _STOP_SIGNALS}
+    try:
+        yield stop
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

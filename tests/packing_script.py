@@ -1,0 +1,26 @@
+"""A packed batch of jobs that wait to be stopped: run by tests/test_packing.py, which signals it.
+
+python packing_script.py <dir>    # 4 jobs, 2 slots; job k writes <dir>/started-<k> (its pid) and waits
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from distsync._packing import run_packed
+from distsync.devices import DeviceSet
+
+
+def wait_for_a_signal(k: int, out: Path, slot: DeviceSet) -> int:
+    (out / f"started-{k}").write_text(str(os.getpid()))
+    time.sleep(120)
+    return k
+
+
+if __name__ == "__main__":
+    import functools
+
+    out = Path(sys.argv[1])
+    slots = [DeviceSet("cpu", (0,)), DeviceSet("cpu", (1,))]
+    run_packed([functools.partial(wait_for_a_signal, k, out) for k in range(4)], slots)
