@@ -35,6 +35,7 @@ def _job(k: int, seconds: float, slot: DeviceSet) -> tuple[int, tuple, float, fl
 def test_jobs_come_back_in_order_each_failure_alone_and_slots_never_shared():
     seconds = [0.6, 0.1, 0.1, 0.1, 0.1]  # job 0 ends last: the others pass it
     started = []
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)  # an earlier launch's
     ended = run_packed(
         [functools.partial(_job, k, s) for k, s in enumerate(seconds)], SLOTS, lambda k, s: started.append(k)
     )
@@ -47,7 +48,7 @@ def test_jobs_come_back_in_order_each_failure_alone_and_slots_never_shared():
     for a, b in itertools.combinations(runs, 2):  # jobs that overlapped in time ran on different slots
         if a[2] < b[3] and b[2] < a[3]:
             assert a[1] != b[1], (a, b)
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handlers are given back
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # given back
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
