@@ -16,9 +16,8 @@ from distsync.train.launcher import launch
     [
         {"comm_hook": "fp16"},
         {"comm_hook": "powersgd", "powersgd_rank": 2},
-        {"local_sgd_period": 4, "local_sgd_warmup": 10},
     ],
-    ids=["fp16", "powersgd", "post-local-sgd"],
+    ids=["fp16", "powersgd"],  # post-local SGD trains in test_post_local_sgd_resume_...
 )
 def test_training_converges(tmp_path, options):
     trainer = TrainerConfig(
@@ -36,8 +35,7 @@ def test_training_converges(tmp_path, options):
     assert summary["accuracy"] > 0.9, summary
     assert summary["final_loss"] < 0.5
     assert summary["bn_buffers_in_sync"] is True
-    key = "comm_hook" if "comm_hook" in options else "local_sgd_period"
-    assert summary[key] == options[key]
+    assert summary["comm_hook"] == options["comm_hook"]
 
 
 def _train_losses(run_dir) -> list[float]:
@@ -60,6 +58,8 @@ def test_post_local_sgd_resume_reproduces_the_uninterrupted_losses(tmp_path, mon
     )
     cfg = TrainConfig(data=DataConfig(batch_size=32), trainer=trainer)
     straight = launch(cfg, str(tmp_path / "straight"))
+    assert straight["accuracy"] > 0.9 and straight["final_loss"] < 0.5, straight  # it trains
+    assert straight["bn_buffers_in_sync"] is True and straight["local_sgd_period"] == 4
     monkeypatch.setenv("DISTSYNC_TEST_KILL_AT_STEP", "25")
     resumed = launch(cfg, str(tmp_path / "resumed"))
     assert straight["restarts"] == 0 and resumed["restarts"] == 1 and resumed["resumed_from_step"] == 20
