@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import inspect
 import itertools
 import math
@@ -29,15 +28,8 @@ from distsync.distributed import get_rank, get_world_size, is_distributed
 from distsync.elastic import NonRetryableError
 
 from .build import building
-from .checkpoint import (
-    load_checkpoint,
-    load_newest_checkpoint,
-    remove_stale_temporaries,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-)
-from .collectives import all_gather_object, all_reduce, broadcast_object, gather_object
+from .checkpoint import remove_stale_temporaries
+from .collectives import all_gather_object, all_reduce
 from .comm import CommSetup
 from .config import TrainConfig
 from .data import LoaderBatches, ShardedBatches, build_datasets, load_data
@@ -46,7 +38,7 @@ from .logs import console_quiet, init_logger
 from .metrics import MetricsLog, plot_curves, write_json_atomic
 from .model import all_norms_synced, build_model
 from .optim import build_optimizer, build_scheduler
-from .resume import ResumeError, check_resume
+from .state import resume_training, save_training_state
 from .streaming import StreamBatches, check_streaming, first_input, is_stream, train_streaming
 from .targets import instantiate
 
@@ -189,57 +181,7 @@ class Trainer:
         return ddp
 
     def _resume(self) -> dict | None:
-        """Load the newest usable checkpoint (rank 0 chooses, every rank loads the same one).
-
-        Returns this rank's own model and optimizer state when the checkpoint holds one per rank
-        (post-local-SGD, where the ranks' models differ between averagings), for after the DDP wrap.
-        """
-        path, error, allowed = None, None, []
-        if self.rank == 0:
-            found = load_newest_checkpoint(self.run_dir, self.log)
-            if found is not None:
-                path, state = found
-                try:
-                    allowed = check_resume(
-                        state["config"], dataclasses.asdict(self.cfg), state["step"], str(path)
-                    )
-                except ResumeError as refused:
-                    error = str(refused)
-                    self.log.error("%s", error)
-                if allowed:
-                    self.log.info("resuming with changed settings: %s", ", ".join(allowed))
-        path, error = broadcast_object((str(path) if path else None, error))
-        if error:
-            raise ResumeError(error)
-        if path is None:
-            self.metrics.truncate(0)  # rows of an earlier attempt that never checkpointed
-            return None
-        if self.rank != 0:
-            state = load_checkpoint(path)
-        local = state.get("local")
-        same_world = len(state["rng"]) == self.world_size
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(
-            local[self.rank]["optimizer"] if local and same_world else state["optimizer"]
-        )
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.batches.load_state_dict(state["batches"])
-        if same_world:
-            set_rng_state(state["rng"][self.rank])
-        else:
-            self.log.warning(
-                "checkpoint from %d ranks, now %d: RNG reseeded", len(state["rng"]), self.world_size
-            )
-        self.step = self.resumed_from = int(state["step"])
-        if "recent_losses" in state:  # older checkpoints: final_loss from the steps run after resuming
-            recent = torch.tensor(state["recent_losses"], dtype=torch.float64)
-            self.recent_losses.copy_(recent[self.rank] if same_world else recent.mean(0))
-        # The time the run was down between its last checkpoint and this attempt does not count (nor the
-        # steps after that checkpoint that were lost: they are run again). Older checkpoints: since the start.
-        self.seconds_before = state.get("trained_seconds", self.started - state["started_at"])
-        self.metrics.truncate(self.step)
-        self.log.info("resumed from %s (step %d, restart %d)", path, self.step, self.restarts)
-        return local[self.rank] if local and same_world else None
+        return resume_training(self)
 
     # ---------------------------------------------------------------------------------------- training
 
@@ -323,7 +265,7 @@ class Trainer:
             "epoch": self.batches.epoch,
             "loss": loss,
             "lr": lr,
-            "elapsed_s": round(self._seconds(), 3),
+            "elapsed_s": round(self.seconds_spent(), 3),
         }
         self.metrics.write(**row)
         if bar is not None:
@@ -378,28 +320,7 @@ class Trainer:
         return recent[steps].mean().item() / self.world_size if steps else math.nan
 
     def _checkpoint(self) -> None:
-        mine = {"rng": rng_state(), "recent_losses": self.recent_losses.tolist()}
-        if self.comm.local_sgd:  # the ranks' models and optimizers differ between averagings
-            mine.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
-        ranks = gather_object(mine)
-        if self.rank != 0:
-            return
-        state = {
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "batches": self.batches.state_dict(),
-            "rng": [r.pop("rng") for r in ranks],
-            "local": ranks if self.comm.local_sgd else None,
-            "recent_losses": [r.pop("recent_losses") for r in ranks],
-            "started_at": self.started - self.seconds_before,
-            "trained_seconds": self._seconds(),
-            "world_size": self.world_size,
-            "config": dataclasses.asdict(self.cfg),
-        }
-        path = save_checkpoint(self.run_dir, self.step, state, keep=self.cfg.trainer.keep_checkpoints)
-        self.log.info("checkpoint %s", path)
+        save_training_state(self)
 
     def _finish(self) -> dict:
         held_out = self._evaluate()
@@ -416,7 +337,7 @@ class Trainer:
             "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
             "loader_workers": self.loader_workers if self.cfg.data.train else None,
             "resumed_from_step": self.resumed_from,
-            "wall_seconds": round(self._seconds(), 3),
+            "wall_seconds": round(self.seconds_spent(), 3),
             "attempt_wall_seconds": round(time.time() - self.started, 3),
             "model": self.cfg.model.name,
             "norm": self.cfg.model.norm,
@@ -449,7 +370,7 @@ class Trainer:
             )
         return summary
 
-    def _seconds(self) -> float:
+    def seconds_spent(self) -> float:
         """Seconds spent on this run: this attempt's, and those of earlier attempts up to their checkpoint."""
         return self.seconds_before + time.time() - self.started
 
