@@ -10,6 +10,7 @@ import torch
 import uneven_stream
 from launching import FAST, SCRIPT, metric_steps, run_job, summary
 
+from distsync.elastic import NonRetryableError
 from distsync.testing import run_world
 from distsync.train import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig, run
 from distsync.train.checkpoint import checkpoint_dir
@@ -18,8 +19,8 @@ from distsync.train.targets import check_targets
 BATCH, SHARDS = 4, [3, 2]  # rank 0 has 3 batches per pass, rank 1 has 2
 
 
-def _cfg(max_steps: int, **trainer) -> TrainConfig:
-    stream = {"_target_": "uneven_stream.UnevenStream", "batches": SHARDS, "batch_size": BATCH}
+def _cfg(max_steps: int, shards: list[int] = SHARDS, **trainer) -> TrainConfig:
+    stream = {"_target_": "uneven_stream.UnevenStream", "batches": shards, "batch_size": BATCH}
     defaults = dict(max_steps=max_steps, log_every=2, eval_every=4, checkpoint_every=4, progress=False)
     return TrainConfig(
         model=ModelConfig(factory={"_target_": "uneven_stream.make_net"}),
@@ -45,6 +46,20 @@ def _reference_input_bn(steps: int) -> dict[str, torch.Tensor]:
         ranks = [r for r, n in enumerate(SHARDS) if step < n]
         bn(torch.cat([data[r][step * BATCH : (step + 1) * BATCH] for r in ranks]))
     return {f"0.{k}": v for k, v in bn.state_dict().items() if "running" in k or "tracked" in k}
+
+
+def _train_without_data_on_rank_1(rank, world_size, run_dir):
+    try:
+        run(_cfg(4, shards=[2, 0]), run_dir)
+    except NonRetryableError as error:
+        return str(error)
+    return None
+
+
+def test_a_rank_without_a_batch_in_the_first_pass_stops_every_rank(tmp_path):
+    """It could not shadow the others' first step: every rank says so, none hangs or restarts."""
+    for message in run_world(_train_without_data_on_rank_1, 2, str(tmp_path), timeout=120):
+        assert message is not None and message.startswith("data.train: rank(s) 1 have no full batch"), message
 
 
 def test_one_pass_of_uneven_shards_matches_float64_batchnorm(tmp_path):
