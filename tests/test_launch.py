@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import shutil
 import signal
@@ -273,7 +274,10 @@ def test_the_wheel_alone_runs_the_training_job(tmp_path):
         [python, "-c", "import distsync; print(distsync.__file__)"], cwd=work, capture_output=True
     )
     assert str(ROOT) not in where.stdout.decode() and str(venv) in where.stdout.decode()  # not the checkout
-    assert "trainer: default, fast" in run_job([venv / "bin" / "distsync-train", "--help"], work).stdout
+    help_text = run_job([venv / "bin" / "distsync-train", "--help"], work).stdout
+    assert "trainer: default, fast" in help_text
+    (doc,) = re.findall(r"Every key is described in (\S+)\.\n", help_text)
+    assert Path(doc).read_text().startswith("# Training") and str(venv) in doc  # installed with the wheel
     run_dir = work / "run"
     proc = run_job(
         [venv / "bin" / "distsync-train", f"hydra.run.dir={run_dir}", "trainer.max_steps=10", *FAST], work
