@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import re
 import shutil
 import signal
@@ -281,21 +282,29 @@ def test_example_sweep_through_the_plugin(app):
 
 
 @pytest.mark.slow
-def test_example_optuna_sweep_gets_rank_zeros_value(app):
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="packs two jobs on two cores at least")
+def test_example_optuna_sweep_packs_its_batches_and_gets_rank_zeros_value(app):
+    """Optuna hands the launcher batches of hydra.sweeper.n_jobs=2 trials: the two run at once, each a
+    2-rank world on cores of its own, and Optuna sees each world's rank 0 value."""
     proc = _run_app(
         app,
         "-m",
         "hydra/sweeper=optuna",
         "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=2",
         "hydra.sweeper.direction=maximize",
+        "hydra/launcher=torchrun",
+        "hydra.launcher.nproc_per_node=2",
+        "hydra.launcher.n_jobs=2",
         "lr=interval(0.01,0.3)",
     )
     assert proc.returncode == 0
     assert "setup plugin alembic" not in proc.stdout + proc.stderr  # optuna's import, quieted in the config
+    assert proc.stdout.count("2 at a time, each on its own cores") == 1  # one batch of both trials
     jobs = _job_dirs(app / "multirun")
     assert len(jobs) == 2
-    for job in jobs:
-        _check_job(job)
+    cores = [set(_check_job(job)["cores"]) for job in jobs]
+    assert cores[0] and cores[1] and not cores[0] & cores[1]
     (results,) = (app / "multirun").glob("**/optimization_results.yaml")
     best = yaml.safe_load(results.read_text())["best_value"]
     assert best == pytest.approx(max(_accuracy(job) for job in jobs), abs=1e-3)
