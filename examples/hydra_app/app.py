@@ -51,7 +51,7 @@ def train(cfg: DictConfig) -> float:
     """One rank's training; returns the held-out accuracy (the same on every rank)."""
     device = distsync.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    log.info(f"rank {rank} of a {world}-rank world on {device}")  # under the plugin: its nproc_per_node
+    log.info(f"rank {rank} of a {world}-rank world on {device}")  # hydra/launcher=torchrun sets its size
     _record(cfg, HydraConfig.get().runtime.output_dir, rank)
     if rank == cfg.fail_on_rank:
         raise RuntimeError(f"rank {rank} fails on purpose (fail_on_rank={cfg.fail_on_rank})")
