@@ -6,6 +6,7 @@ import os
 import socket
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    # benchmarks time bare layers and models on purpose, some without DDP
+    warnings.filterwarnings("ignore", "distsync: the synchronized layer", RuntimeWarning)
     torch.set_num_threads(1)
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())

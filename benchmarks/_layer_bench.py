@@ -28,6 +28,9 @@ class _NoCommReducer:
     def all_reduce(self, payload: torch.Tensor) -> torch.Tensor:
         return payload
 
+    def announce(self, call) -> None:  # nobody joined to tell
+        pass
+
 
 def _no_comm_layer(channels: int, dev: torch.device) -> nn.Module:
     layer = DistSyncBatchNorm2d(channels).to(dev)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import inspect
 import itertools
 from collections.abc import Callable
 from pathlib import Path
@@ -22,12 +21,6 @@ from distsync._identity import payload_size
 from distsync.testing import allocations
 
 BLOCKS, CHANNELS, SIZE, BATCH, CLASSES = 7, 32, 32, 16, 10
-# broadcast_buffers=False, spelled the way this torch version accepts without a deprecation warning.
-_NO_BUFFER_BROADCAST = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
-    else {"broadcast_buffers": False}
-)
 
 
 def conv_net() -> nn.Sequential:
@@ -92,7 +85,7 @@ def _trainer(
         net = nn.SyncBatchNorm.convert_sync_batchnorm(net)
     elif kind == "floor":
         _add_bn_collectives(net)
-    ddp_options = {} if kind == "local" else _NO_BUFFER_BROADCAST
+    ddp_options = {} if kind == "local" else distsync.no_buffer_broadcast()
     model = DDP(net.to(dev), **ddp_options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     generator = torch.Generator().manual_seed(1 + dist.get_rank())

@@ -5,7 +5,7 @@ from ._identity import name_layers
 from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
 from .convert import BatchNormNd, convert_sync_batchnorm, revert_sync_batchnorm
 from .devices import DeviceSet
-from .distributed import init_distributed
+from .distributed import init_distributed, no_buffer_broadcast
 from .elastic import LaunchError, NonRetryableError, launch
 from .errors import SyncError, SyncMismatchError
 from .groups import create_syncbn_process_group
@@ -34,6 +34,7 @@ __all__ = [
     "joinable",
     "launch",
     "name_layers",
+    "no_buffer_broadcast",
     "revert_sync_batchnorm",
     "update_bn",
     *_shim_names,

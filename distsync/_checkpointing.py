@@ -1,70 +1,138 @@
-"""The statistics of recent synchronized calls, for activation checkpointing's recomputation.
+"""The statistics of a checkpointed region's synchronized calls, handed to its recomputation by order.
 
-``torch.utils.checkpoint`` (reentrant or not) runs a segment's forward again during backward, to rebuild
-what it did not keep. A synchronized layer in it would all-reduce a second time and move its running
-statistics twice. Instead each call keeps its global statistics (``3C + 1`` numbers) here, and a forward
-made inside backward takes them back: the same output, bit for bit, and no collective. Every rank
-recomputes the same calls, so all of them skip the all-reduce alike.
+``torch.utils.checkpoint`` (reentrant or not) runs a region's forward again during backward, to rebuild
+what it did not keep. A synchronized call in it would all-reduce a second time, around a merge shift that
+has moved since (other rounding: not the tensors the original forward made), and move its running
+statistics twice. Instead, each synchronized call of a region's forward is logged on torch's own object for
+that region (the reentrant ``CheckpointFunction``'s ``ctx``, the non-reentrant checkpoint's frame object),
+in order; the recomputation of that region, which is the same object, takes the k-th logged call's
+statistics for its k-th synchronized call (checkpoint itself matches saved tensors the same way): the same
+output, bit for bit, no collective, no second update. Every rank recomputes the same regions alike, so
+all of them skip the collectives alike. The identity cannot collide: it is the region, not the data.
 
-A recomputed call is matched with its original by the input's shape, dtype and device, and where a layer
-made several such calls, by its local moments, which a recomputation reproduces exactly (compared on the
-device, without a host read). A layer keeps its last ``KEPT_CALLS`` calls; an older one is all-reduced
-again (consistently on every rank: all of them keep the same calls).
+A region is found from the calling frames of ``torch/utils/checkpoint.py`` (the only place where both the
+region's forward and its recomputation are visible). Nested regions log a call in every region around it;
+a recomputation takes its calls from the innermost region being recomputed. A forward run inside a
+backward outside any checkpoint (a reversible network's custom backward) is an ordinary call: it
+all-reduces and moves the running statistics, as ``nn.SyncBatchNorm`` and ``nn.BatchNorm`` do. Should
+torch's checkpoint internals change so that a region is not found, a recomputed call is an ordinary call
+too (right, as ``nn.SyncBatchNorm`` is, not bit-identical) and ``tests/test_private_apis.py`` fails.
 """
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import NamedTuple
 
 import torch
+import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor
 
+from . import _torch_compat
 from ._moments import Stats
 
+__all__ = ["OUTSIDE", "CheckpointError", "Regions", "regions", "replaying"]
 
-class Kept(NamedTuple):
-    key: tuple
-    mean: Tensor  # the call's local moments (references: nothing is copied for a call that is not
-    var: Tensor  # recomputed)
+_FILE = torch_checkpoint.__file__
+_REENTRANT = getattr(torch_checkpoint, "CheckpointFunction", None)
+_REENTRANT_FORWARD = getattr(getattr(_REENTRANT, "forward", None), "__code__", None)
+_REENTRANT_BACKWARD = getattr(getattr(_REENTRANT, "backward", None), "__code__", None)
+_FRAME_CLASS = getattr(torch_checkpoint, "_CheckpointFrame", None)  # non-reentrant: one per region call
+
+
+class CheckpointError(RuntimeError):
+    """A region's recomputation made other synchronized calls than its forward."""
+
+
+class _Logged(NamedTuple):
+    state: object  # the layer's SyncState: which layer made the call
+    shape: tuple[int, ...]
     stats: Stats
 
 
-def recomputing() -> bool:
-    """Whether this forward runs inside a backward pass: a checkpointed segment being recomputed."""
+class Regions(NamedTuple):
+    """Where a synchronized call stands with respect to activation checkpointing."""
+
+    replaying: object | None  # the region being recomputed, whose logged call this one repeats
+    logging: tuple  # the regions whose forward this call belongs to (innermost first)
+
+    def replay(self, state, input: Tensor) -> Stats:
+        """The statistics of the original of this recomputed call (a copy: normalizing may work on the
+        rows in place)."""
+        region = self.replaying
+        calls = _attribute(region, "_distsync_calls", list)
+        counters = _attribute(region, "_distsync_replayed", dict)
+        task = _torch_compat.graph_task_id()
+        index = counters.get(task, 0)
+        counters[task] = index + 1
+        if index >= len(calls) or calls[index].state is not state or calls[index].shape != tuple(input.shape):
+            raise CheckpointError(
+                f"the recomputation of a checkpointed region made synchronized call #{index} differently "
+                f"from its forward ({len(calls)} calls): the region must run the same code on the same "
+                "inputs when torch.utils.checkpoint recomputes it"
+            )
+        stats = calls[index].stats
+        return Stats(stats.rows.clone(), stats.count)
+
+    def log(self, state, input: Tensor, stats: Stats) -> None:
+        """Keep this call's statistics on every region whose forward it belongs to (nothing changes them
+        after the call: the kernels normalize with copies)."""
+        for region in self.logging:
+            _attribute(region, "_distsync_calls", list).append(_Logged(state, tuple(input.shape), stats))
+
+
+def _attribute(region, name: str, make):
+    """An attribute distsync keeps on torch's object for a region (dies with it)."""
+    value = getattr(region, name, None)
+    if value is None:
+        value = make()
+        setattr(region, name, value)
+    return value
+
+
+OUTSIDE = Regions(None, ())
+
+
+def regions() -> Regions:
+    """The checkpoint regions of the current call, from the calling frames."""
     if torch.compiler.is_compiling():  # compiled code recomputes under its own rules (nothing is kept)
-        return False
-    return torch._C._current_graph_task_id() != -1
+        return OUTSIDE
+    replaying, logging = None, []
+    frame = sys._getframe(1)
+    while frame is not None and replaying is None:
+        if frame.f_code.co_filename == _FILE:
+            found = _region_of(frame)
+            if found is not None:
+                region, recomputing = found
+                if recomputing:
+                    replaying = region
+                else:
+                    logging.append(region)
+        frame = frame.f_back
+    if replaying is None and not logging:
+        return OUTSIDE
+    return Regions(replaying, tuple(logging))
 
 
-def keep(state, input: Tensor, local, stats: Stats) -> None:
-    """Keep a call's global statistics, which nothing changes after the call (the kernels normalize with
-    copies of them)."""
-    if local is not None:
-        state.kept.append(Kept(_key(input), local.mean, local.var, stats))
+def replaying() -> bool:
+    """Whether the current call repeats a checkpointed region's call (a recomputation)."""
+    return regions().replaying is not None
 
 
-def find(state, input: Tensor, local, host_reads: bool) -> Stats | None:
-    """The kept statistics of the call a recomputation repeats, or None (then it all-reduces again).
-    Without ``host_reads`` (devices whose values are not read at the call) the match is chosen on the
-    device."""
-    key = _key(input)
-    candidates = [kept for kept in state.kept if kept.key == key]
-    if len(candidates) <= 1:  # normalizing may work on the rows in place: hand out a copy
-        return Stats(candidates[0].stats.rows.clone(), candidates[0].stats.count) if candidates else None
-    if host_reads:
-        same = (
-            k.stats for k in candidates if torch.equal(k.mean, local.mean) and torch.equal(k.var, local.var)
-        )
-        found = next(same, None)
-        return found and Stats(found.rows.clone(), found.count)
-    fingerprint = torch.cat([local.mean, local.var])
-    table = torch.stack([torch.cat([k.mean, k.var]) for k in candidates])
-    matches = (table == fingerprint).all(1)
-    index = matches.to(torch.int32).argmax()  # the first match, chosen on the device
-    rows = torch.stack([k.stats.rows for k in candidates])[index]
-    count = torch.stack([k.stats.count for k in candidates])[index]
-    return Stats(rows, count)
-
-
-def _key(input: Tensor) -> tuple:
-    return tuple(input.shape), input.dtype, input.device
+def _region_of(frame: types.FrameType) -> tuple[object, bool] | None:
+    """``(region, recomputing)`` if ``frame`` is one of checkpoint's own around a region's forward (False)
+    or its recomputation (True), else None."""
+    code, local = frame.f_code, frame.f_locals
+    if code is _REENTRANT_FORWARD or code is _REENTRANT_BACKWARD:
+        return local.get("ctx"), code is _REENTRANT_BACKWARD
+    if _FRAME_CLASS is None:
+        return None
+    for value in local.values():
+        if isinstance(value, _FRAME_CLASS):  # the unpack hook that recomputes the region
+            return value, True
+        if isinstance(value, types.GeneratorType) and value.gi_frame is not None:  # checkpoint() itself:
+            for inner in value.gi_frame.f_locals.values():  # the region's frame object, in its generator
+                if isinstance(inner, _FRAME_CLASS):
+                    return inner, False
+    return None

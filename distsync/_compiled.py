@@ -18,13 +18,14 @@ until the process group's timeout), and compiled and eager ranks do not sync wit
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _moments
+from . import _moments, _torch_compat
 from ._identity import (
     CALL,
     COUNT,
@@ -38,8 +39,15 @@ from ._identity import (
     call_modulus,
     payload_size,
 )
+from ._unwrapped import warn_if_unwrapped
 
-__all__ = ["prepare", "sync_batch_norm"]
+__all__ = ["TRACEABLE", "prepare", "register", "sync_batch_norm"]
+
+# Whether this torch's compiler traces the synchronized call whole (validated on 2.11, 2.13 and 2.14; 2.4 and
+# 2.6 fail on dynamic shapes, batch-norm subclasses' routing mode or the collective's gradient). Elsewhere a
+# compiled model runs each synchronized call eagerly between graphs: the same results, and fullgraph=True
+# refuses the model (tests/test_compile.py checks both).
+TRACEABLE = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11)
 
 
 class Counters:
@@ -59,12 +67,38 @@ class Counters:
         return moved
 
 
-_prepared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layers with compiled calls
+# Layers with compiled calls, by id (their own __eq__/__hash__ are never called): (layer, name, world size)
+_prepared: dict[int, tuple[weakref.ref, str, int]] = {}
 
 
-def prepare(layer) -> int:
-    """Run at trace time, outside the graph: the size of the layer's group (0: nobody to sync with). Also
-    resolves the layer's identity as in eager mode and keeps its tail template on the layer."""
+def _remember(layer, name: str, world_size: int) -> None:
+    key = id(layer)
+
+    def forget(ref: weakref.ref) -> None:
+        if _prepared.get(key, (None,))[0] is ref:
+            del _prepared[key]
+
+    _prepared[key] = (weakref.ref(layer, forget), name, world_size)
+
+
+# Every synchronized layer of this process under a key of its own, an int attribute of the layer: what a
+# traced forward hands to prepare (dynamo calls functions at trace time with constant arguments only).
+_layers: dict[int, weakref.ref] = {}
+_next_key = itertools.count()
+
+
+def register(layer) -> int:
+    """Give ``layer`` its key for :func:`prepare` (at construction, conversion, unpickling, deep copy)."""
+    key = next(_next_key)
+    _layers[key] = weakref.ref(layer, lambda ref, key=key: _layers.pop(key, None))
+    return key
+
+
+def prepare(key: int) -> int:
+    """Run at trace time, outside the graph, for the layer registered under ``key``: the size of its
+    group (0: nobody to sync with). Also resolves the layer's identity as in eager mode and keeps its tail
+    template on the layer."""
+    layer = _layers[key]()
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     world_size = dist.get_world_size(layer.process_group)
@@ -73,15 +107,15 @@ def prepare(layer) -> int:
     state = layer._sync_state
     if state.identity is None:
         state.resolve(layer, layer.num_features)
+        warn_if_unwrapped(layer, world_size)
     first = dist.get_rank(layer.process_group) == 0
     layer._sync_template = (*_template(world_size, first, state.identity), call_modulus(world_size))
-    _prepared[layer] = (state.layer_name, world_size)
+    _remember(layer, state.layer_name, world_size)
     return world_size
 
 
-# What torch._dynamo.assume_constant_result(prepare) does (it only sets this flag), without importing dynamo,
-# seconds per process, before anything is compiled; tests/test_compile.py checks that the two agree.
-prepare._dynamo_marked_constant = True  # type: ignore[attr-defined]
+# dynamo calls it at trace time and bakes in its result (without importing dynamo at distsync's import)
+_torch_compat.mark_constant_for_dynamo(prepare)
 
 
 def _template(world_size: int, first: bool, identity: int) -> tuple[list[float], list[float]]:
@@ -105,12 +139,13 @@ def sync_batch_norm(
     num_batches_tracked: Tensor | None,
     momentum: float | None,
     eps: float,
+    channels: int,
 ) -> Tensor:
     """Training-mode batch norm of a synchronized layer in traceable ops (after :func:`prepare`), with
     ``F.batch_norm``'s arguments (``momentum=None``: a cumulative average, counted in
-    ``num_batches_tracked``)."""
+    ``num_batches_tracked``) and the number of channels, a constant (the input's sizes may be symbolic)."""
     t: Counters = layer._counters
-    c = input.shape[1]
+    c = channels
     nd = input.dim()
     dims = [0, *range(2, nd)]
     dtype = _moments.stat_dtype(input.dtype)
@@ -127,10 +162,10 @@ def sync_batch_norm(
     call = t.calls.remainder(modulus).to(torch.float64)
     tail = template + call * _unit(CALL, template) + call * call * template.new_tensor(squares)
     tail = tail + n * _unit(COUNT, template)
-    pad = template.new_zeros(payload_size(c) - 3 * c - TAIL)  # the eager payload's size class
+    pad = template.new_zeros(_padding(c))  # the eager payload's size class
     payload = torch.cat([first, second, second, pad, tail])
     group = layer.process_group or dist.group.WORLD
-    reduced = torch.distributed._functional_collectives.all_reduce(payload, "sum", group)
+    reduced = _SumOverRanks.apply(payload, group)
     red_tail = reduced[reduced.numel() - TAIL :].detach()
     count = red_tail[COUNT]
     mean = reduced[:c] / count
@@ -156,6 +191,29 @@ def sync_batch_norm(
     if bias is not None:
         output = output + bias.to(dtype).view(shape)
     return output.to(input.dtype)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """The payload summed over the group, whose gradient is the gradient summed over the group: the
+    functional all-reduce (traceable), with its backward written out (torch registers one for that op
+    only from 2.8 or so; before, gradients would silently stop at the sum)."""
+
+    @staticmethod
+    def forward(ctx, payload: Tensor, group) -> Tensor:
+        ctx.group = group
+        return _torch_compat.traceable_all_reduce(payload, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _torch_compat.traceable_all_reduce(grad, ctx.group), None
+
+
+def _padding(channels: int) -> int:
+    """Zeros between a payload's statistics and its tail (a constant at trace time)."""
+    return payload_size(channels) - 3 * channels - TAIL
+
+
+_torch_compat.mark_constant_for_dynamo(_padding)  # int.bit_length is not traceable before torch 2.6
 
 
 def _unit(index: int, like: Tensor) -> Tensor:
@@ -184,7 +242,10 @@ def _update_running_stats(
 
 def check() -> None:
     """Raise the first failed check among compiled calls since the last call (reads device flags)."""
-    for layer, (name, world_size) in list(_prepared.items()):
+    for ref, name, world_size in list(_prepared.values()):
+        layer = ref()
+        if layer is None:
+            continue
         t: Counters = layer._counters
         if not bool(t.bad):
             continue

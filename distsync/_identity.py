@@ -1,20 +1,24 @@
 """Which layer, direction and call a sync payload belongs to, the same on every rank.
 
 A layer's identity is its module path from the root of the module tree that holds it (``layer1.0.bn1``),
-its width and how many deep copies away from a built or loaded layer it is, hashed to 64 bits. No frame
-is inspected: the path comes from
+its width and how many deep copies away from a built or loaded layer it is, hashed to 64 bits. The path is
+stamped on the layer's sync state (which pickling and deep copies carry along), by the first of:
 
-* registration records: every ``nn.Module`` registration (``setattr``, ``add_module``) records the child's
-  parent and name, so a layer built in this process walks up to its root. A tree that arrives without
-  records (unpickled or deep-copied) gets them when it is registered in a parent (DDP, ``torch.compile``,
-  an outer module), from that parent down;
-* a stamp: pickling or deep-copying a layer stores the path it has at that moment, so a model
-  ``torch.load``-ed whole (and never registered anywhere) knows the paths of the process that saved it.
+* :func:`name_layers`, an explicit name;
+* :func:`distsync.convert_sync_batchnorm`, which names every synchronized layer under the module it
+  converts by its path from there (layers already synchronized included);
+* pickling: a model ``torch.load``-ed whole keeps the paths of the process that saved it;
+* the first synchronized call of a layer that has none (built directly, never converted): the outermost
+  module being called at that moment (read from the ``self`` of the calling frames, nothing else), whose
+  synchronized layers all get their paths from it at once.
+
+Nothing global is registered: importing distsync changes nothing in how torch builds modules, and no
+user module's ``__eq__`` or ``__hash__`` is ever called (layers are kept by ``id``).
 
 The slots of wrappers (DDP's and DataParallel's ``module``, ``torch.compile``'s ``_orig_mod``, FSDP's and
 checkpoint wrappers' inner module) are left out, so a wrapper on some ranks only changes nothing. Paths
 are from the root, so ``model.encoder(x)`` and ``model.decoder(y)`` called directly are told apart.
-Two separately built models of one structure are indistinguishable by construction: name them with
+Two separately converted models of one structure are indistinguishable by construction: name them with
 :func:`name_layers` if ranks may call them in different orders.
 
 Every call adds ``[layer (4 digits), direction, call]`` and their squares to the payload tail: after a
@@ -28,10 +32,10 @@ selects its tail as a view: no host-to-device copy per call.
 
 from __future__ import annotations
 
-import collections
 import functools
 import hashlib
-import weakref
+import sys
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -53,7 +57,6 @@ MAX_WORLD_SIZE = int(_EXACT**0.5) // _BLOCK
 
 
 MIN_PAYLOAD = 256
-KEPT_CALLS = 16  # recent calls whose statistics a layer keeps for checkpointing's recomputation
 
 
 def payload_size(num_channels: int) -> int:
@@ -86,102 +89,89 @@ class CallTag(NamedTuple):
         return f"{self.layer_name}, {_DIRECTIONS[self.direction]} call #{self.call}"
 
 
-# Every module's latest parent and its name there, recorded as modules are registered.
-_parents: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, str]] = weakref.WeakKeyDictionary()
-
 # Slots through which a wrapper holds the module it wraps: not part of a path.
 _WRAPPER_SLOTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
-def _is_wrapper_slot(parent: nn.Module, name: str) -> bool:
+def is_wrapper_slot(parent: nn.Module, name: str) -> bool:
+    """Whether ``parent`` holds the module it wraps under ``name`` (left out of paths)."""
     if name in _WRAPPER_SLOTS:
         return True
     return name == "module" and isinstance(parent, (nn.DataParallel, nn.parallel.DistributedDataParallel))
 
 
-def _record_parent(parent: nn.Module, name: str, child: nn.Module | None) -> None:
-    if not isinstance(child, nn.Module):
-        return
-    _parents[child] = (weakref.ref(parent), name)
-    if any(isinstance(c, nn.Module) and c not in _parents for c in child._modules.values()):
-        record_tree(child)  # an unpickled or deep-copied tree: record it from here down
-
-
-def record_tree(root: nn.Module) -> None:
-    """Record the parent of every module under ``root`` that has no record (an unpickled tree's)."""
-    stack, seen = [root], {id(root)}
+def walk(root: nn.Module) -> Iterator[tuple[nn.Module, str]]:
+    """Every module under ``root`` (``root`` first, each once) with its path from ``root``, wrapper slots
+    left out: ``named_modules`` without the wrappers' names, pre-order."""
+    stack, seen = [(root, "")], {id(root)}
     while stack:
-        module = stack.pop()
-        for name, child in module._modules.items():
-            if child is None or id(child) in seen:
-                continue
-            seen.add(id(child))
-            if child not in _parents:
-                _parents[child] = (weakref.ref(module), name)
-            stack.append(child)
+        module, path = stack.pop()
+        yield module, path
+        for name, child in reversed(module._modules.items()):
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                inner = path if is_wrapper_slot(module, name) else ".".join(filter(None, [path, name]))
+                stack.append((child, inner))
 
 
-nn.modules.module.register_module_module_registration_hook(_record_parent)
+def stamp_paths(root: nn.Module, only_missing: bool = False) -> bool:
+    """Stamp every synchronized layer under ``root`` with its path from ``root`` (with ``only_missing``,
+    those that have no path yet). Returns whether any layer was found."""
+    found = False
+    for module, path in walk(root):
+        state = getattr(module, "_sync_state", None)
+        if isinstance(state, SyncState):
+            found = True
+            if state.path != path and not (only_missing and state.path is not None):
+                state.path = path
+                state.identity = None  # resolved again at the next synchronized call
+    return found
 
 
-def _parent_of(module: nn.Module) -> tuple[nn.Module, str] | None:
-    """The parent that holds ``module`` now and its name there, from the registration record."""
-    record = _parents.get(module)
-    parent = None if record is None else record[0]()
-    if parent is None:
-        return None
-    children = getattr(parent, "_modules", {})
-    if children.get(record[1]) is module:
-        return parent, record[1]
-    for name, child in children.items():  # renamed in place (nn.Sequential renumbers after a deletion)
-        if child is module:
-            _parents[module] = (record[0], name)
-            return parent, name
-    return None  # removed from that parent since
+def calling_modules() -> list[nn.Module]:
+    """The modules whose methods are running now (each frame's ``self``), outermost first, each once."""
+    return _frame_modules(lambda local: [local.get("self")])
 
 
-def registered_path(module: nn.Module) -> str | None:
-    """Dotted path of ``module`` from the root of its registration records, wrapper slots left out.
-
-    ``''`` for a root, None for a module without a record (one unpickled or deep-copied on its own).
-    """
-    link = _parent_of(module)
-    if link is None:
-        return None if module not in _parents else ""
-    names, seen = [], {id(module)}
-    while link is not None and id(link[0]) not in seen:
-        parent, name = link
-        if not _is_wrapper_slot(parent, name):
-            names.append(name)
-        seen.add(id(parent))
-        link = _parent_of(parent)
-    return ".".join(reversed(names))
+def _frame_modules(pick) -> list[nn.Module]:
+    """The modules ``pick`` finds in each calling frame's locals, the outermost frame's first, each once."""
+    frames = []
+    frame = sys._getframe(2)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    modules, seen = [], set()
+    for frame in reversed(frames):
+        for module in pick(frame.f_locals):
+            if isinstance(module, nn.Module) and id(module) not in seen:
+                seen.add(id(module))
+                modules.append(module)
+    return modules
 
 
-def module_path(module: nn.Module) -> str:
-    """Dotted path of ``module`` from the root of its registration records ('' for a module on its own)."""
-    return registered_path(module) or ""
+def _candidate_roots() -> Iterator[nn.Module]:
+    """The modules being called, then those the calling frames hold in variables; outermost first."""
+    yield from calling_modules()
+    yield from _frame_modules(lambda local: list(local.values()))
+
+
+def _holds(root: nn.Module, layer: nn.Module) -> bool:
+    return any(module is layer for module, _ in walk(root))
 
 
 def layer_path(layer: nn.Module) -> str:
-    """The path a synchronized layer is identified by: a name given with :func:`name_layers`, else its
-    registered path, else the path stamped on it when it was pickled or copied, else ''."""
-    state = getattr(layer, "_sync_state", None)
-    if state is not None and state.name is not None:
+    """The path a synchronized layer is identified by: a name given with :func:`name_layers`, else the path
+    stamped on it (by conversion, pickling or an earlier call), else its path from the outermost module
+    being called now whose tree holds it (all unnamed layers under that module are stamped from it at once).
+    A layer called on its own (no module around it is being called) is named from the outermost module a
+    calling frame holds in a variable (``model[1](x)`` in a loop: from ``model``), else ''."""
+    state = layer._sync_state
+    if state.name is not None:
         return state.name
-    path = registered_path(layer)
-    if path is None and state is not None:
-        path = state.path
-    return path or ""
-
-
-def stamp_path(layer: nn.Module) -> None:
-    """Store ``layer``'s current path in its sync state, which pickling and deep copies carry along."""
-    state = getattr(layer, "_sync_state", None)
-    if state is not None:
-        path = registered_path(layer)
-        if path is not None:
-            state.path = path
+    if state.path is None:
+        root = next((m for m in _candidate_roots() if m is not layer and _holds(m, layer)), layer)
+        stamp_paths(root, only_missing=True)
+    return state.path
 
 
 def layer_hash(path: str, num_features: int, copies: int = 0) -> int:
@@ -206,22 +196,11 @@ def name_layers(module: nn.Module, name: str) -> nn.Module:
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name_layers needs a non-empty string name, got {name!r}")
-    stack, seen = [(module, "")], {id(module)}
-    while stack:  # like named_modules, with wrapper slots left out of the paths
-        layer, path = stack.pop()
+    for layer, path in walk(module):
         state = getattr(layer, "_sync_state", None)
         if isinstance(state, SyncState):
             state.name = f"{name}.{path}" if path else name
             state.identity = None  # resolved again at the next synchronized call
-        for child_name, child in reversed(layer._modules.items()):
-            if child is not None and id(child) not in seen:
-                seen.add(id(child))
-                inner = (
-                    path
-                    if _is_wrapper_slot(layer, child_name)
-                    else ".".join(filter(None, [path, child_name]))
-                )
-                stack.append((child, inner))
     return module
 
 
@@ -239,7 +218,7 @@ class SyncState:
     ) -> None:
         self.layer_name = layer_name  # for messages, once the identity is known
         self.copies = copies  # deep copies between this layer and one built or unpickled
-        self.path = path  # the path stamped when the layer was pickled or copied
+        self.path = path  # stamped by conversion or at the first call; kept by pickles and copies
         self.name = name  # explicit name (name_layers), preferred to any path
         self.identity: int | None = None
         self.calls = [0, 0]
@@ -247,7 +226,7 @@ class SyncState:
         self.shift_ref: Tensor | None = None  # variance of the call the shift was judged against
         self._tables: dict = {}
         self.scratch: dict = {}  # small per-device tensors reused call after call
-        self.kept: collections.deque = collections.deque(maxlen=KEPT_CALLS)  # for _checkpointing
+        self.join = None  # the reducer of the Join the layer is in (distsync.join), never copied
 
     def __deepcopy__(self, memo) -> SyncState:
         return SyncState(self.layer_name, self.copies + 1, self.path, self.name)

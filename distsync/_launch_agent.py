@@ -5,11 +5,18 @@ returning (``sys.exit()``, ``os._exit(0)``) leaves it, and every rank that did r
 :func:`ranks_ending_watched` makes the agent notice such a rank: once every worker has either returned or
 ended, the world is done, and the ranks without a result are marked :class:`NoResult`. When a worker
 fails, the ranks that had already ended without a result are reported with it.
+
+This extends torch's ``MultiprocessContext`` through its private members (``_poll``, ``_close``, ``_pc``,
+``_return_values``, ``error_files``, ``nprocs``, 2.3 to 2.14 at least). Where a release lacks one of them,
+the agent runs torch's own context unchanged (a rank ending without a result then leaves the others
+waiting, as torch does), never a broken one; ``tests/test_private_apis.py`` names each member, so such a
+release fails there in CI first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import signal
@@ -72,12 +79,29 @@ def describe(exit_code: int, why: str) -> str:
     return f"{lines[0]} ({how})" if lines else how
 
 
+# The private members of torch's context this module relies on: methods of the class, attributes of instances.
+PRIVATE_METHODS = ("_poll", "_close")
+PRIVATE_ATTRIBUTES = ("_pc", "_return_values", "error_files", "nprocs")
+
+
+def torch_supports_watching() -> bool:
+    """Whether this torch's ``MultiprocessContext`` has the private methods the watching context overrides,
+    with the signatures it calls them with."""
+    methods = [getattr(MultiprocessContext, name, None) for name in PRIVATE_METHODS]
+    if not all(callable(method) for method in methods):
+        return False
+    parameters = list(inspect.signature(MultiprocessContext._close).parameters)
+    return parameters[:3] == ["self", "death_sig", "timeout"]
+
+
 class _ResultAwareContext(MultiprocessContext):
     """torch's context of function workers, which also notices the workers that end without a result."""
 
     _final = False  # a rank raised NonRetryableError: the workers are being stopped for good
 
     def _poll(self) -> RunProcsResult | None:
+        if not all(hasattr(self, name) for name in PRIVATE_ATTRIBUTES):
+            return super()._poll()  # a release whose context keeps its state elsewhere: torch's behaviour
         self._raise_if_not_to_be_restarted()  # before torch logs the failure as one to restart for
         result = super()._poll()
         if result is not None:
@@ -123,11 +147,16 @@ class _ResultAwareContext(MultiprocessContext):
         }
 
 
+# How torch's context logs a failed function worker (its arguments: exit code, local rank, pid, ...): a
+# record in another form is left as torch wrote it.
+FAILED_WORKER_LOG = "failed (exitcode: %s) local_rank: %s (pid: %s)"
+
+
 def _one_line_failure(record: logging.LogRecord) -> bool:
     """torch logs its own wait for a failed worker with that wait's traceback: say in one line which local
     rank failed and how (the rank's traceback is on stderr and in its log file, the LaunchError says why)."""
     args = record.args
-    if str(record.msg).startswith("failed (exitcode") and isinstance(args, tuple) and len(args) >= 3:
+    if str(record.msg).startswith(FAILED_WORKER_LOG) and isinstance(args, tuple) and len(args) >= 3:
         exit_code, local_rank, pid = args[:3]
         record.msg = "local rank %s (pid %s) failed: %s"
         record.args = (local_rank, pid, describe(exit_code, ""))
@@ -137,7 +166,11 @@ def _one_line_failure(record: logging.LogRecord) -> bool:
 
 @contextlib.contextmanager
 def ranks_ending_watched() -> Iterator[None]:
-    """Within this block, elastic agents start their function workers in a :class:`_ResultAwareContext`."""
+    """Within this block, elastic agents start their function workers in a :class:`_ResultAwareContext`
+    (where this torch has what it extends; else in torch's own context)."""
+    if not torch_supports_watching():
+        yield
+        return
     original = elastic_mp.MultiprocessContext
     elastic_mp.MultiprocessContext = _ResultAwareContext
     torch_log = logging.getLogger(MultiprocessContext.__module__)

@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from . import _checkpointing
-from .batchnorm import DistSyncBatchNorm
+from . import _checkpointing, _compiled, _fx, _torch_compat
+from .batchnorm import BatchNormNd, DistSyncBatchNorm
 
 __all__ = ["original_class", "twin_class"]
 
@@ -84,24 +84,69 @@ def _refuse(layer: DistSyncBatchNorm, args: tuple) -> None:
 
 def _twin_forward(twin: type):
     def forward(self, *args, **kwargs):
-        original = super(twin, self).forward
+        if args and _fx.is_proxy(args[0]):  # symbolically traced: a leaf, as the synchronized layers are
+            return _fx.leaf_call(self, args[0])
         if not self.training:
-            return original(*args, **kwargs)
-        route = _RouteBatchNorm(self)
-        counted = self.num_batches_tracked
-        recomputed = counted is not None and _checkpointing.recomputing()
-        before = counted.clone() if recomputed else None  # checkpointing runs the forward again
-        try:
-            with route:
-                output = original(*args, **kwargs)
-        finally:
-            if recomputed:  # counted once, as without checkpointing (which may stop a recomputation early)
-                counted.copy_(before)
-        if route.calls == 0:
-            _refuse(self, args)
-        return output
+            return super(twin, self).forward(*args, **kwargs)
+        if torch.compiler.is_compiling() and not _compiled.TRACEABLE:
+            return _routed_forward_untraced(twin, self, args, kwargs)  # between two graphs, as in eager
+        return _routed_forward(twin, self, args, kwargs)
 
     return forward
+
+
+def _routed_forward(twin: type, self: DistSyncBatchNorm, args: tuple, kwargs: dict):
+    """A twin's training forward: the subclass's own, its batch-norm calls routed to the sync."""
+    original = super(twin, self).forward
+    route = _RouteBatchNorm(self)
+    counted = self.num_batches_tracked
+    recomputed = counted is not None and _checkpointing.replaying()
+    before = counted.clone() if recomputed else None  # checkpointing runs the forward again
+    try:
+        with route:
+            output = original(*args, **kwargs)
+    finally:
+        if recomputed:  # counted once, as without checkpointing (which may stop a recomputation early)
+            counted.copy_(before)
+    if route.calls == 0:
+        input = args[0] if args else None
+        if isinstance(input, Tensor) and input.dim() >= 2 and input.numel() == 0:
+            return _take_part_without_samples(self, input, output)
+        _refuse(self, args)
+    return output
+
+
+def _take_part_without_samples(layer: DistSyncBatchNorm, input: Tensor, output):
+    """A forward that skipped batch norm for an empty batch (``if x.numel() == 0: return x``, as detectron2
+    and mmcv layers do): this rank still takes part in the call the others make, with no samples, as
+    ``_BatchNorm.forward`` would have (counting the batch, by the layer's momentum). Its output is the
+    empty result of the synchronized call, which takes part in the backward too."""
+    factor = 0.0 if layer.momentum is None else layer.momentum
+    counted = layer.num_batches_tracked
+    if layer.track_running_stats and counted is not None:
+        if not _checkpointing.replaying():
+            counted.add_(1)
+        factor = 1.0 / float(counted) if layer.momentum is None else layer.momentum
+    updates = layer.track_running_stats and layer._updates_running_stats
+    synced = layer._sync_batch_norm(
+        input,
+        layer.weight,
+        layer.bias,
+        layer.running_mean if updates else None,
+        layer.running_var if updates else None,
+        None,
+        factor,
+        layer.eps,
+    )
+    if synced is None:  # nobody to sync with: the subclass's own result
+        return output
+    if not isinstance(output, Tensor) or output.shape != synced.shape:
+        _refuse(layer, (input,))
+    return synced
+
+
+# Where the compiler cannot trace the routing mode (torch < 2.11), the twin's forward runs eagerly.
+_routed_forward_untraced = _torch_compat.disable_dynamo(_routed_forward)
 
 
 @functools.cache
@@ -122,8 +167,6 @@ def twin_class(cls: type[_BatchNorm]) -> type[DistSyncBatchNorm]:
     plain local forward whose ``F.batch_norm`` call the twin routes, and ``DistSyncBatchNorm`` adds the
     synchronization.
     """
-    from .convert import BatchNormNd  # lazy: convert imports this module
-
     base = next(c for c in cls.__mro__ if c.__module__.startswith("torch.") or c is BatchNormNd)
     twin = type(
         f"DistSync{cls.__name__}",

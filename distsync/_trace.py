@@ -172,10 +172,17 @@ def fake_runtime() -> Iterator[FakeRuntime]:
 _library: torch.library.Library | None = None
 
 
+# Releases whose fake CUDA tensors dispatch without a driver (validated: 2.11, 2.14); 2.4 and 2.6 start the
+# CUDA runtime in FakeTensorMode and abort the process on a machine without a GPU.
+SUPPORTED = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 11)
+
+
 @contextlib.contextmanager
 def fake_cuda_world(world_size: int = 2) -> Iterator[None]:
     """A fake NCCL world of ``world_size`` (this process is rank 0) and fake CUDA tensors."""
     global _library
+    if not SUPPORTED:
+        raise RuntimeError(f"the fake-CUDA trace needs torch >= 2.11 (this is {torch.__version__})")
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from . import _torch_compat
+
+if TYPE_CHECKING:
+    from ._identity import SyncState
+
+
+class Call(NamedTuple):
+    """A synchronized call as a rank without a batch needs it to take part (see :mod:`distsync.join`)."""
+
+    direction: int  # FORWARD or BACKWARD
+    state: SyncState  # the layer's: its identity
+    channels: int
+    dtype: torch.dtype  # the input's (forward)
+    momentum: float | None = None
+    eps: float = 0.0
+    running: bool = False  # running statistics updated by the call
+    counts: bool = False  # the call counts the batch in num_batches_tracked (else its caller did)
 
 
 class Reducer(Protocol):
@@ -16,6 +34,10 @@ class Reducer(Protocol):
     first: bool  # exactly one participant is first
 
     def all_reduce(self, payload: Tensor) -> Tensor: ...
+
+    def announce(self, call: Call) -> None:
+        """Say that ``call``'s all-reduce comes next, to participants who cannot know (ranks that joined
+        under DDP's ``Join``); a no-op for the others."""
 
 
 class ProcessGroupReducer:
@@ -29,21 +51,14 @@ class ProcessGroupReducer:
     @property
     def timeout(self) -> float | None:
         """How long a collective of the group may wait for a peer, in seconds (None if unknown)."""
-        return _timeout_seconds(self.process_group)
+        return _torch_compat.process_group_timeout(self.process_group)
 
     def all_reduce(self, payload: Tensor) -> Tensor:
         dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=self.process_group)
         return payload
 
-
-def _timeout_seconds(process_group: dist.ProcessGroup | None) -> float | None:
-    group = process_group or dist.group.WORLD
-    try:
-        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
-        backend = group._get_backend(device)
-        return backend.options._timeout.total_seconds()
-    except (AttributeError, RuntimeError, ValueError):  # a backend without options (fake, custom)
-        return None
+    def announce(self, call: Call) -> None:
+        """Every participant makes every call itself: nothing to say."""
 
 
 def process_group_reducer(process_group: dist.ProcessGroup | None) -> ProcessGroupReducer | None:

@@ -3,21 +3,34 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.overrides import handle_torch_function, has_torch_function
 
-from . import _compiled
-from ._identity import SyncState, stamp_path
+from . import _compiled, _fx, _torch_compat
+from ._identity import SyncState
 from ._transport import Reducer, process_group_reducer
+from ._unwrapped import warn_if_unwrapped
 from .functional import SyncBatchNormFunction
 from .groups import GroupSpec, as_process_group
 
-__all__ = ["DistSyncBatchNorm", "DistSyncBatchNorm1d", "DistSyncBatchNorm2d", "DistSyncBatchNorm3d"]
+__all__ = [
+    "BatchNormNd",
+    "DistSyncBatchNorm",
+    "DistSyncBatchNorm1d",
+    "DistSyncBatchNorm2d",
+    "DistSyncBatchNorm3d",
+    "DistSyncSyncBatchNorm",
+]
+
+# nn.BatchNorm takes ``bias`` from torch 2.12 on; before, its layers always have a bias when affine.
+_TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
 
 # Called after every training call of a synchronized layer with its input and synchronized output (None where
@@ -47,7 +60,17 @@ def _warn_vendored(names: tuple[str, ...]) -> None:
     )
 
 
-class DistSyncBatchNorm(_BatchNorm):
+class BatchNormNd(_BatchNorm):
+    """Plain batch norm accepting any input rank >= 2: the local twin of a rank-agnostic sync layer."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+
+# Each class names _BatchNorm among its direct bases, as torch's batch-norm classes do: code that matches
+# layers by their class's name and direct bases (mmengine's init_cfg, layer="_BatchNorm") finds them too.
+class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
     r"""Batch normalization over the union of the batches of all ranks of a process group.
 
     .. math::
@@ -83,7 +106,8 @@ class DistSyncBatchNorm(_BatchNorm):
             ``DeviceMesh`` or ``(mesh, dim)``. Default: ``None`` (the default group).
             PyTorch-Encoding's positional form ``DistSyncBatchNorm(C, eps, momentum, process_group)``
             is accepted too.
-        bias: learnable per-channel shift (with ``affine``). Default: ``True``
+        bias: learnable per-channel shift (with ``affine``; ``False`` needs torch >= 2.12, as
+            ``nn.BatchNorm``). Default: ``True``
 
     Shape:
         - Input: :math:`(N, C, *)`, any rank >= 2, any memory format
@@ -111,9 +135,14 @@ class DistSyncBatchNorm(_BatchNorm):
     ) -> None:
         if isinstance(affine, dist.ProcessGroup):  # PyTorch-Encoding: (num_features, eps, momentum, group)
             affine, process_group = True, affine
-        super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype, bias=bias
-        )
+        factory = {"device": device, "dtype": dtype}
+        if _TAKES_BIAS:
+            factory["bias"] = bias
+        elif not bias:
+            raise TypeError(
+                f"bias=False needs torch >= 2.12, where nn.BatchNorm takes it (this is {torch.__version__})"
+            )
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, **factory)
         self._init_sync(process_group)
 
     # What a synchronized layer holds besides a batch-norm layer's state (dropped again by revert).
@@ -122,6 +151,7 @@ class DistSyncBatchNorm(_BatchNorm):
         "_sync_state",
         "_replica_reducer",
         "_counters",
+        "_compile_key",
         "_sync_template",
         "_updates_running_stats",
     )
@@ -134,6 +164,7 @@ class DistSyncBatchNorm(_BatchNorm):
         tensors = (*self._parameters.values(), *self._buffers.values())
         device = next((t.device for t in tensors if t is not None), None)
         self._counters = _compiled.Counters(device)  # call count and verdict of compiled calls
+        self._compile_key = _compiled.register(self)
 
     def _apply(self, fn, recurse: bool = True):
         result = super()._apply(fn, recurse)
@@ -144,6 +175,7 @@ class DistSyncBatchNorm(_BatchNorm):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        self._compile_key = _compiled.register(self)  # this object's own (a deep copy is another layer)
         if "_counters" not in self.__dict__:  # a layer pickled whole before compiled calls were counted
             self._counters = _compiled.Counters(
                 self.num_batches_tracked.device if self.track_running_stats else None
@@ -166,10 +198,6 @@ class DistSyncBatchNorm(_BatchNorm):
     def _layer_name(self) -> str:
         return self._sync_state.layer_name or type(self).__name__
 
-    def _check_input_dim(self, input: Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
-
     def _input_problem(self, input: Tensor, channels: int, eps: float, check_dim: bool) -> str | None:
         """What makes ``input`` unfit for a synchronized training call (None if nothing): what
         ``F.batch_norm`` would refuse, and with ``check_dim`` the layer's own input-rank check."""
@@ -190,10 +218,6 @@ class DistSyncBatchNorm(_BatchNorm):
         if not eps > 0:  # what F.batch_norm checks in training
             return f"{self._layer_name()}: batch_norm eps must be positive during training, got {eps}"
         return None
-
-    def __getstate__(self) -> dict:
-        stamp_path(self)  # a pickled or deep-copied layer keeps the path it has here (see _identity)
-        return super().__getstate__()
 
     # DataParallel copies other than copy 0 hold copies of the buffers: only copy 0 updates running stats.
     _updates_running_stats = True
@@ -219,9 +243,14 @@ class DistSyncBatchNorm(_BatchNorm):
         if getattr(self, "_is_replica", False):  # copied by nn.DataParallel but not wired by the callback
             _warn_unwired_replica()
             return None
+        inside_join = self._sync_state.join
+        if inside_join is not None and inside_join.world_size > 1:
+            return inside_join  # DDP's Join: the join's group, calls announced to the ranks that joined
         return process_group_reducer(self.process_group)
 
     def forward(self, input: Tensor) -> Tensor:
+        if _fx.is_proxy(input):  # symbolically traced: one call_module node, like nn.BatchNorm's
+            return _fx.leaf_call(self, input)
         if self.training:
             update = self.track_running_stats and self._updates_running_stats
             buffers = (self.running_mean, self.running_var, self.num_batches_tracked)
@@ -232,7 +261,7 @@ class DistSyncBatchNorm(_BatchNorm):
             )
             if output is not None:
                 return output
-        return super().forward(input)
+        return _BatchNorm.forward(self, input)  # not super(): after DistSyncSyncBatchNorm's is SyncBatchNorm
 
     def _sync_batch_norm(
         self,
@@ -275,74 +304,97 @@ class DistSyncBatchNorm(_BatchNorm):
         self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, check_dim,
         problem,
     ) -> Tensor | None:  # fmt: skip
-        compiled = torch.compiler.is_compiling() and self._replica_reducer is None
+        compiled = torch.compiler.is_compiling()
+        if compiled and not (
+            _compiled.TRACEABLE and self._replica_reducer is None and self._sync_state.join is None
+        ):
+            # DataParallel replicas, layers inside DDP's Join (a joined rank learns each call from an
+            # announcement) and torch releases whose compiler cannot trace the sync: this call runs eagerly
+            # between two graphs (the same result; fullgraph=True refuses the break)
+            return _synced_output_untraced(
+                self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
+                check_dim, problem,
+            )  # fmt: skip
         # Traced whole (fullgraph): identity and group size are resolved at trace time, outside the graph.
         reducer = None if compiled else self._reducer()
-        if not (_compiled.prepare(self) if compiled else reducer):
+        if not (_compiled.prepare(self._compile_key) if compiled else reducer):
             return None  # nobody to sync with: checked before anything else, as no input needs checking
-        channels = next((t.numel() for t in (weight, running_mean) if t is not None), self.num_features)
+        channels = _channels(weight, running_mean, self.num_features)
         if problem is None:
             problem = self._input_problem(input, channels, eps, check_dim)
         if compiled:
             if problem is not None:  # shapes and dtypes are static while tracing
                 raise ValueError(problem)
             return _compiled.sync_batch_norm(
-                self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps
-            )
-        # DataParallel replicas under torch.compile: not traced
-        apply = self._untraced_apply if torch.compiler.is_compiling() else self._apply_sync
-        return apply(
-            input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, channels,
-            reducer, problem,
-        )  # fmt: skip
-
-    def _apply_sync(
-        self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, channels,
-        reducer: Reducer, problem: str | None,
-    ) -> Tensor:  # fmt: skip
-        state = self._sync_state
-        if state.identity is None:
-            state.resolve(self, self.num_features)
-        return SyncBatchNormFunction.apply(
-            input,
-            weight,
-            bias,
-            running_mean,
-            running_var,
-            num_batches_tracked,
-            momentum,
-            eps,
-            self.eps_mode == "clamp",
-            channels,
-            reducer,
-            state,
-            problem,
-        )
-
-    # torch.compiler.disable, with dynamo imported at the first call (only ever made while compiling)
-    # rather than when distsync is imported.
-    _untraced_apply = torch._disable_dynamo(_apply_sync)
+                self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
+                channels,
+            )  # fmt: skip
+        arguments = (weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, channels)
+        if has_torch_function((input,)):
+            # A tensor subclass (MONAI's MetaTensor, ...) wraps the call as it wraps F.batch_norm's: the
+            # autograd Function sees plain tensors, its output becomes the subclass outside the Function (so
+            # in-place ops after the layer work), with the subclass's metadata.
+            return handle_torch_function(_apply_sync, (input,), input, self, *arguments, reducer, problem)
+        return _apply_sync(input, self, *arguments, reducer, problem)
 
 
-class DistSyncBatchNorm1d(DistSyncBatchNorm):
-    """:class:`DistSyncBatchNorm` for :math:`(N, C)` or :math:`(N, C, L)` inputs, like ``nn.BatchNorm1d``."""
-
-    def _check_input_dim(self, input: Tensor) -> None:
-        if input.dim() not in (2, 3):
-            raise ValueError(f"expected 2D or 3D input (got {input.dim()}D input)")
+class DistSyncBatchNorm1d(nn.BatchNorm1d, DistSyncBatchNorm, _BatchNorm):
+    """:class:`DistSyncBatchNorm` for :math:`(N, C)` or :math:`(N, C, L)` inputs: an ``nn.BatchNorm1d``."""
 
 
-class DistSyncBatchNorm2d(DistSyncBatchNorm):
-    """:class:`DistSyncBatchNorm` for :math:`(N, C, H, W)` inputs, like ``nn.BatchNorm2d``."""
-
-    def _check_input_dim(self, input: Tensor) -> None:
-        if input.dim() != 4:
-            raise ValueError(f"expected 4D input (got {input.dim()}D input)")
+class DistSyncBatchNorm2d(nn.BatchNorm2d, DistSyncBatchNorm, _BatchNorm):
+    """:class:`DistSyncBatchNorm` for :math:`(N, C, H, W)` inputs: an ``nn.BatchNorm2d``."""
 
 
-class DistSyncBatchNorm3d(DistSyncBatchNorm):
-    """:class:`DistSyncBatchNorm` for :math:`(N, C, D, H, W)` inputs, like ``nn.BatchNorm3d``."""
+class DistSyncBatchNorm3d(nn.BatchNorm3d, DistSyncBatchNorm, _BatchNorm):
+    """:class:`DistSyncBatchNorm` for :math:`(N, C, D, H, W)` inputs: an ``nn.BatchNorm3d``."""
 
-    def _check_input_dim(self, input: Tensor) -> None:
-        if input.dim() != 5:
-            raise ValueError(f"expected 5D input (got {input.dim()}D input)")
+
+class DistSyncSyncBatchNorm(nn.SyncBatchNorm, DistSyncBatchNorm, _BatchNorm):
+    """What ``convert_sync_batchnorm`` makes of an ``nn.SyncBatchNorm``: still an ``nn.SyncBatchNorm`` (any
+    input rank >= 2, its ``process_group``), synchronized by :class:`DistSyncBatchNorm`, on any device."""
+
+    # DistSyncBatchNorm's, not nn.SyncBatchNorm's (which syncs by itself, on GPUs only)
+    __init__ = DistSyncBatchNorm.__init__
+    forward = DistSyncBatchNorm.forward
+
+
+def _channels(weight: Tensor | None, running_mean: Tensor | None, num_features: int) -> int:
+    """How many channels a call normalizes: its parameters', else the layer's (plain branches: traced by
+    every dynamo release)."""
+    if weight is not None:
+        return weight.numel()
+    if running_mean is not None:
+        return running_mean.numel()
+    return num_features
+
+
+def _apply_sync(
+    input: Tensor, layer: DistSyncBatchNorm, weight, bias, running_mean, running_var, num_batches_tracked,
+    momentum, eps, channels, reducer: Reducer, problem: str | None,
+) -> Tensor:  # fmt: skip
+    """The synchronized training call of ``layer`` in eager mode: its autograd Function."""
+    state = layer._sync_state
+    if state.identity is None:
+        state.resolve(layer, layer.num_features)
+        warn_if_unwrapped(layer, reducer.world_size)
+    return SyncBatchNormFunction.apply(
+        input,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        num_batches_tracked,
+        momentum,
+        eps,
+        layer.eps_mode == "clamp",
+        channels,
+        reducer,
+        state,
+        problem,
+    )
+
+
+# torch.compiler.disable, with dynamo imported at the first call (only ever made while compiling) rather
+# than when distsync is imported.
+_synced_output_untraced = _torch_compat.disable_dynamo(DistSyncBatchNorm._synced_output)

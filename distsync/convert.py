@@ -8,27 +8,27 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ._identity import record_tree
+from ._identity import stamp_paths
 from ._subclass import original_class, twin_class
-from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
+from .batchnorm import (
+    BatchNormNd,
+    DistSyncBatchNorm,
+    DistSyncBatchNorm1d,
+    DistSyncBatchNorm2d,
+    DistSyncBatchNorm3d,
+    DistSyncSyncBatchNorm,
+)
 from .groups import GroupSpec
 
 __all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "BatchNormNd"]
 
 
-class BatchNormNd(_BatchNorm):
-    """Plain batch norm accepting any input rank >= 2: the local twin of a rank-agnostic sync layer."""
-
-    def _check_input_dim(self, input):
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
-
-
+# Each converted layer is an instance of the class it replaced (isinstance checks, freeze-BN loops, fusers).
 _TO_SYNC = {
     nn.BatchNorm1d: DistSyncBatchNorm1d,
     nn.BatchNorm2d: DistSyncBatchNorm2d,
     nn.BatchNorm3d: DistSyncBatchNorm3d,
-    nn.SyncBatchNorm: DistSyncBatchNorm,
+    nn.SyncBatchNorm: DistSyncSyncBatchNorm,
     BatchNormNd: DistSyncBatchNorm,
 }
 _TO_LOCAL = {
@@ -87,7 +87,7 @@ def convert_sync_batchnorm(module: nn.Module, process_group: GroupSpec = None) -
         >>> model = distsync.convert_sync_batchnorm(torchvision.models.resnet18())
     """
     converted = _convert(module, process_group)
-    record_tree(converted)  # a loaded tree has no registration records: the new layers' paths need them
+    stamp_paths(converted)  # every synchronized layer is identified across ranks by its path from here
     return converted
 
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import inspect
 import os
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-__all__ = ["init_distributed", "is_distributed", "get_rank", "get_world_size"]
+__all__ = ["init_distributed", "is_distributed", "get_rank", "get_world_size", "no_buffer_broadcast"]
 
 
 def is_distributed() -> bool:
@@ -25,6 +27,22 @@ def get_rank() -> int:
 def get_world_size() -> int:
     """Number of ranks in the default group, 1 when not distributed."""
     return dist.get_world_size() if is_distributed() else 1
+
+
+def no_buffer_broadcast() -> dict[str, bool]:
+    """``DistributedDataParallel``'s keyword that turns off its buffer broadcast before each forward, in
+    this torch release's spelling: ``forward_sync_buffers=False`` from torch 2.13, ``broadcast_buffers=False``
+    before (deprecated from 2.13).
+
+    Synchronized layers keep their running statistics equal on every rank of their group by themselves, so
+    the broadcast only costs a collective per step, hides whether they agree, and with several BN process
+    groups gives every group rank 0's statistics::
+
+        >>> ddp = DistributedDataParallel(model, **distsync.no_buffer_broadcast())
+    """
+    parameters = inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+    key = "forward_sync_buffers" if "forward_sync_buffers" in parameters else "broadcast_buffers"
+    return {key: False}
 
 
 def init_distributed(

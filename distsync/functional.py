@@ -11,10 +11,10 @@ from torch.autograd.function import once_differentiable
 from . import _checkpointing, _health, _moments
 from ._identity import BACKWARD, COUNT, FORWARD, CallTag, SyncState, failed_row
 from ._kernels import _as, kernels_for
-from ._transport import Reducer
+from ._transport import Call, Reducer
 from .errors import SyncError
 
-__all__ = ["SyncBatchNormFunction"]
+__all__ = ["SyncBatchNormFunction", "shadow_backward", "shadow_forward", "sync_backward_sums"]
 
 
 def _all_reduce(reducer: Reducer, payload: Tensor, tag: CallTag) -> None:
@@ -129,18 +129,18 @@ class SyncBatchNormFunction(torch.autograd.Function):
         count = 0 if problem else input.numel() // max(num_features, 1)
         local = None if problem is not None or count == 0 else kernels.local(input)
         # Recomputed by activation checkpointing: the original call's statistics, no all-reduce, no update.
-        recomputing = problem is None and _checkpointing.recomputing()
+        checkpointed = _checkpointing.regions() if problem is None else _checkpointing.OUTSIDE
         reduced = None
-        stats = None
-        if recomputing and local is not None:
-            stats = _checkpointing.find(state, input, local, host_reads=not kernels.deferred)
-        if stats is None and not (recomputing and local is None):
-            reduced = _reduce(input, local, count, num_features, reducer, state, problem, eps, kernels)
+        if checkpointed.replaying is not None:
+            stats = checkpointed.replay(state, input)
+        else:
+            call = Call(FORWARD, state, num_features, input.dtype, momentum, eps, running_mean is not None,
+                        num_batches_tracked is not None)  # fmt: skip
+            reduced = _reduce(input, local, count, call, reducer, problem, kernels)
             stats = reduced.stats
-            if not recomputing:
-                _checkpointing.keep(state, input, local, stats)
+        checkpointed.log(state, input, stats)
         normalized = None if local is None else kernels.normalize(local, weight, bias, stats.rows, eps, clip)
-        if reduced is not None and not recomputing and running_mean is not None and running_var is not None:
+        if reduced is not None and running_mean is not None and running_var is not None:
             mean, _, unbiased = stats.rows.unbind()
             ends = (mean, unbiased) if normalized is None else normalized.running
             buffers = (running_mean, running_var, num_batches_tracked)
@@ -192,8 +192,9 @@ class _Reduced(NamedTuple):
     payload: Tensor  # the reduced payload, whose tail the deferred running-statistics update reads
 
 
-def _reduce(input, local, count, num_features, reducer, state, problem, eps, kernels) -> _Reduced:
+def _reduce(input, local, count, call: Call, reducer, problem, kernels) -> _Reduced:
     """This call's global statistics: its all-reduce (two where the first merge lost digits)."""
+    state, num_features, eps = call.state, call.channels, call.eps
     tag = state.next_tag(FORWARD)
     row = state.tail(tag, reducer.world_size, reducer.first, input.device, num_features)
     keeps_shift = _keeps_shift(input, kernels)
@@ -201,6 +202,7 @@ def _reduce(input, local, count, num_features, reducer, state, problem, eps, ker
         state.shift = state.shift_ref = None  # the layer moved: start again from zero
     shift = state.shift if keeps_shift else None
     payload = _pack(local, shift, count, row, num_features, problem)
+    reducer.announce(call)  # the second all-reduce below is decided alike on every rank: not announced
     _all_reduce(reducer, payload, tag)
     verdict = _check(payload, tag, reducer, problem, True, kernels)
     stats = _moments.merge(payload, num_features, state.scratch)
@@ -223,12 +225,18 @@ def _reduce(input, local, count, num_features, reducer, state, problem, eps, ker
 
 def _sync_backward(ctx, first: Tensor, second: Tensor) -> Tensor:
     """All-reduce this rank's backward sums; return the reduced (2, C) sums (a view of the payload)."""
-    state, reducer = ctx.state, ctx.reducer
+    return sync_backward_sums(ctx.state, ctx.reducer, ctx.kernels, first, second)
+
+
+def sync_backward_sums(state: SyncState, reducer: Reducer, kernels, first: Tensor, second: Tensor) -> Tensor:
+    """The backward all-reduce of a call of the layer of ``state``: this rank's two gradient sums (C each)
+    summed over the participants, as a (2, C) view of the payload."""
     tag = state.next_tag(BACKWARD)
     row = state.tail(tag, reducer.world_size, reducer.first, first.device, first.numel())
     payload = _moments.pack_sums(first, second, row)
+    reducer.announce(Call(BACKWARD, state, first.numel(), first.dtype))
     _all_reduce(reducer, payload, tag)
-    _check(payload, tag, reducer, None, False, ctx.kernels)
+    _check(payload, tag, reducer, None, False, kernels)
     return payload[: 2 * first.numel()].view(2, -1)
 
 
@@ -267,3 +275,26 @@ def _shift_costs_accuracy(
     if device.type != "cpu" or deferred or torch.compiler.is_compiling():
         return False
     return bool(_moments.costs_accuracy(mean, var, eps).item())
+
+
+def shadow_forward(layer, call: Call, reducer: Reducer, device: torch.device) -> None:
+    """Take part in another rank's forward ``call`` of ``layer`` with no samples (a rank that joined under
+    DDP's ``Join``): contribute an empty payload and move this layer's running statistics as the others
+    move theirs, from the reduced values. No user code runs."""
+    running = (layer.running_mean, layer.running_var) if call.running else (None, None)
+    counted = layer.num_batches_tracked if call.running else None
+    if counted is not None and not call.counts:  # the caller counted the batch itself (a subclass)
+        counted.add_(1)
+        counted = None
+    empty = torch.empty((0, call.channels), dtype=call.dtype, device=device)
+    with torch.no_grad():
+        SyncBatchNormFunction.apply(
+            empty, None, None, *running, counted, call.momentum, call.eps, False, call.channels, reducer,
+            call.state, None,
+        )  # fmt: skip
+
+
+def shadow_backward(call: Call, reducer: Reducer, device: torch.device) -> None:
+    """Take part in another rank's backward ``call`` with zero gradient sums (see :func:`shadow_forward`)."""
+    zeros = torch.zeros(call.channels, dtype=torch.float64, device=device)
+    sync_backward_sums(call.state, reducer, kernels_for(device), zeros, zeros)

@@ -2,28 +2,37 @@
 
 ``torch.distributed.algorithms.join.Join`` lets ranks that ran out of data shadow the collectives of the
 ranks still training, so that nobody hangs: DDP's join hook shadows its gradient all-reduces. Synchronized
-batch norm has collectives of its own in every forward and backward, which nothing shadows. Its joinable
-does: a rank that has joined takes part in every synchronized call of each step the others make, with an
-empty batch (count 0), forward and backward, so their outputs, gradients and running statistics are those
-of ``nn.BatchNorm`` on the batches that exist that step, and its own running statistics follow theirs.
+batch norm has collectives of its own in every forward and backward. A rank that joined shadows those
+**collectives**, not the modules: no user code runs on it. While some rank of a layer group has joined,
+the ranks still training announce each synchronized call just before its all-reduce (one small all-reduce:
+which layer, its width, dtype, momentum, direction), and the end of each step; the joined rank takes part
+in each call with no samples and moves its own running statistics from the reduced values, so it keeps
+following the others. So each step equals ``nn.BatchNorm`` on the batches that exist that step, whatever
+the step's calls are: activation checkpointing, batch-norm subclasses, forward hooks, calls that change
+from step to step or a rank that never had a batch need nothing special.
 
-It replays the synchronized calls of its own last step, in the order they were made, forward and backward.
-A model whose synchronized calls change from step to step makes the replay disagree with the others' calls,
-and every rank raises :class:`distsync.SyncMismatchError`, decided from the reduced values of the call
-where they first differ. The layers' collectives run on a process group of their own (the same ranks). A
-joined rank makes each step's two sequences of collectives on two threads: the replay, and DDP's join hook
-(the collectives the others make before their forward and at the end of their backward), each on its own
-group. The joinable takes DDP's hook over for that: the hook ``Join`` gets from the DDP model is inert, and
-the joinable's own hook runs DDP's on a thread next to the replay. So a replay that fails raises at once on
-the joined rank; DDP's hook, left waiting for gradient all-reduces that the others, who raised too, never
-make, is abandoned on its thread (its collective ends with the group: when the others exit or time out).
+The protocol, on the layers' process group (a group of its own for layers on the default group, so that it
+never interleaves with DDP's collectives, which a joined rank shadows on another thread):
+
+* every step starts with ``Join``'s all-reduce of the ranks still training (the joinable's, as it comes
+  first); when some rank has joined, a roll call tells each layer group whether one of its ranks has;
+* a training rank in such a group announces each synchronized call, forward or backward, before its
+  all-reduce, and the end of the step: after the backward of the model's outputs (a callback at the end of
+  that backward pass), or after the forward when no output needs a gradient. As DDP's own join hook does,
+  this takes a step to be one forward of the model and at most one backward of its outputs;
+* the joined rank, once per step of the others, answers the roll call, then takes part in the announced
+  calls until the end of the step, next to DDP's join hook (on a thread of its own).
+
+Without a joined rank the collectives of a step are those of training outside ``Join``. Announcements are
+all-reduced with MAX (the joined ranks send -inf), so floats arrive exactly as sent.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,23 +40,37 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
-from . import batchnorm
+from . import _torch_compat
+from ._identity import BACKWARD, FORWARD, stamp_paths
+from ._transport import Call, ProcessGroupReducer
 from .batchnorm import DistSyncBatchNorm
 from .errors import SyncMismatchError
+from .functional import shadow_backward, shadow_forward
 
 __all__ = ["joinable"]
 
+# Announcement: [kind, layer id (4 x 16 bits), channels, dtype, has momentum, momentum, eps, running, counts]
+_END = 3.0
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FIELDS = 12
 
-class _Forward(NamedTuple):
-    layer: weakref.ref
-    shape: tuple[int, ...]  # the input's shape past the batch dimension
-    dtype: torch.dtype
-    device: torch.device
-    requires_grad: bool  # only then does the call's backward communicate
+# The joinable armed for each model (by id): a new Join on the same model disarms the one before.
+_armed: dict[int, weakref.ref] = {}
 
 
-class _Backward(NamedTuple):
-    forward: int  # which forward call of the step this backward call belongs to
+_join_groups: list[tuple[Any, dist.ProcessGroup]] = []  # (the default group, its join group)
+
+
+def _join_group() -> dist.ProcessGroup:
+    """The process group of the layers on the default group inside ``Join``: the same ranks, apart from
+    DDP's collectives (made once per default group, on every rank, at the first joinable)."""
+    world = dist.group.WORLD
+    for default, group in _join_groups:
+        if default is world:
+            return group
+    group = dist.new_group()
+    _join_groups.append((world, group))
+    return group
 
 
 class _SyncedLayersJoinable(Joinable):
@@ -56,25 +79,23 @@ class _SyncedLayersJoinable(Joinable):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self._model = model
-        layers = [m for m in model.modules() if isinstance(m, DistSyncBatchNorm)]
-        self._layers = weakref.WeakSet(layers)
-        # Layers on the default group use one of their own (the same ranks, apart from DDP's collectives;
-        # made here, on every rank) inside the Join only: outside it the model holds no group object, so it
-        # deep-copies and pickles as before.
-        self._on_default = weakref.WeakSet(layer for layer in layers if layer.process_group is None)
-        self._group = dist.new_group() if len(self._on_default) else None
-        self._steps: list[Any] = []  # the synchronized calls of this rank's step so far
-        self._last_step: list[Any] = []  # those of its last finished step
-        self._replaying = False
-        self._replayed: list[Tensor] = []
-        # DDP's join hook, taken over when the same Join asks both for theirs (see _ddp_join_hook)
-        self._ddp_own_join_hook = None
-        self._handoff: _ReplayHook | None = None
-        if isinstance(model, DistributedDataParallel):
-            self._ddp_own_join_hook = model.join_hook
-            model.join_hook = self._ddp_join_hook  # this instance only; DDP's own join() is unaffected
-        model.register_forward_pre_hook(self._new_step)
-        batchnorm._call_observers.append(self._observe)
+        self._layers = [m for m in model.modules() if isinstance(m, DistSyncBatchNorm)]
+        groups = {id(layer.process_group): layer.process_group for layer in self._layers}
+        if len(groups) > 1:
+            raise ValueError(
+                "distsync.joinable: the synchronized layers of one model must share one process group under "
+                f"Join; this model's use {len(groups)}"
+            )
+        group = next(iter(groups.values()), None)
+        if group is None or group is dist.group.WORLD:  # apart from DDP's collectives, made on every rank
+            group = _join_group()
+        self._reducer = _AnnouncingReducer(group, self)
+        self._hooks: list[Any] = []
+        self._ddp_own_join_hook = None  # DDP's join hook, taken over while armed (see _ddp_join_hook)
+        self._handoff: _ShadowHook | None = None
+        self._end_due = False  # this rank announced calls of the current step: it owes the others its end
+        self._end_queued = False
+        self.announcing = False  # a rank of the layers' group has joined: announce every call
 
     @property
     def join_device(self) -> torch.device:
@@ -86,28 +107,75 @@ class _SyncedLayersJoinable(Joinable):
             return self._model.join_process_group
         return dist.group.WORLD
 
+    # -------------------------------------------------------------------------------- arming
+
     def join_hook(self, **kwargs) -> JoinHook:
-        hook = _ReplayHook(self)
+        """Called by ``Join`` as it is made: the layers sync on the join group until its post-hook."""
+        self._arm()
+        hook = _ShadowHook(self)
         self._handoff = hook  # Join asks the DDP model for its hook next: it goes to this one
         return hook
 
+    def _arm(self) -> None:
+        previous = _armed.get(id(self._model))
+        if previous is not None and previous() is not None and previous() is not self:
+            previous()._disarm()  # a Join left by an exception never ran its post-hooks
+        _armed[id(self._model)] = weakref.ref(self)
+        if self._hooks:
+            return
+        stamp_paths(self._model, only_missing=True)
+        for layer in self._layers:
+            state = layer._sync_state
+            if state.identity is None:
+                state.resolve(layer, layer.num_features)
+            state.join = self._reducer
+        self._by_identity = {layer._sync_state.identity: layer for layer in reversed(self._layers)}
+        def new_step(module, args):
+            self._new_step(module, args)
+
+        def forward_done(module, args, output):
+            self._forward_done(module, args, output)
+
+        self._hooks = [  # eager even in a compiled model: collectives and their results, once per step
+            self._model.register_forward_pre_hook(_torch_compat.disable_dynamo(new_step)),
+            self._model.register_forward_hook(_torch_compat.disable_dynamo(forward_done)),
+        ]
+        if isinstance(self._model, DistributedDataParallel):
+            self._ddp_own_join_hook = self._model.join_hook
+            self._model.join_hook = self._ddp_join_hook  # this instance only, until disarmed
+
+    def _disarm(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        for layer in self._layers:
+            if layer._sync_state.join is self._reducer:
+                layer._sync_state.join = None
+        if self._ddp_own_join_hook is not None:
+            del self._model.join_hook  # DDP's own method again
+            self._ddp_own_join_hook = None
+        self.announcing = self._end_due = False
+        if _armed.get(id(self._model)) is not None and _armed[id(self._model)]() is self:
+            del _armed[id(self._model)]
+
     def _ddp_join_hook(self, **kwargs) -> JoinHook:
-        """The DDP model's ``join_hook``: DDP's own hook, handed to this joinable's hook when the same
-        ``Join`` made that one just before (this joinable comes first), and an inert one in its place."""
+        """The DDP model's ``join_hook`` while armed: DDP's own hook, handed to this joinable's hook when the
+        same ``Join`` made that one just before (this joinable comes first), and an inert one in its place."""
         hook = self._ddp_own_join_hook(**kwargs)
-        replay, self._handoff = self._handoff, None
-        if replay is None:  # a Join without this joinable (ddp.join(), Join([ddp])): DDP's hook as it is
+        shadow, self._handoff = self._handoff, None
+        if shadow is None:  # a Join without this joinable (ddp.join(), Join([ddp])): DDP's hook as it is
             return hook
-        replay.shadow = hook
+        shadow.ddp = hook
         return _InertHook()
+
+    # ---------------------------------------------------------------------- a training rank's step
 
     def _new_step(self, module, args) -> None:
         config = self._join_config
         if config.enable and not config.is_first_joinable:  # the same Join on every rank: all raise here
             raise ValueError(
                 "distsync.joinable must come first in Join: Join([distsync.joinable(ddp_model), ddp_model]). "
-                "A joined rank starts replaying the synchronized layers' calls before DDP's join hook waits "
-                "for the others' gradient all-reduces"
+                "Its all-reduce of the ranks still training tells the layers whether to announce their calls"
             )
         self._handoff = None
         if config.enable and self._ddp_own_join_hook is not None and not self._model._join_config.enable:
@@ -115,86 +183,151 @@ class _SyncedLayersJoinable(Joinable):
                 "distsync.joinable needs the DDP model in the same Join: "
                 "Join([distsync.joinable(ddp_model), ddp_model])"
             )
-        if config.enable:
-            self.use_own_group(True)
+        self.end_step()  # a step without a backward pass: its end was not said yet
         work = Join.notify_join_context(self)  # the first joinable's "not joined yet" all-reduce
-        if work is not None and hasattr(self._model, "reducer"):  # what DDP does with it when it is first
-            self._model.reducer._set_forward_pass_work_handle(work, self._model._divide_by_initial_world_size)
-        if self._steps:
-            self._last_step, self._steps = self._steps, []
-
-    def use_own_group(self, inside: bool) -> None:
-        """Put the layers that sync over the default group on the joinable's own group, or back."""
-        for layer in self._on_default:
-            layer.process_group = self._group if inside else None
-
-    def _observe(self, layer: DistSyncBatchNorm, input: Tensor, output: Tensor | None) -> None:
-        if layer not in self._layers or output is None:
+        if work is None:
             return
-        if self._replaying:
-            self._replayed.append(output)
+        if hasattr(self._model, "reducer"):  # what DDP does with it when it is the first joinable
+            _torch_compat.give_ddp_join_count(self._model, work)
+        training = int(work.get_future().wait()[0].item())
+        self.announcing = False
+        if training < dist.get_world_size(self.join_process_group):  # some rank joined: a roll call
+            present = self._reducer.roll_call(1.0)
+            self.announcing = present < self._reducer.world_size
+
+    def _forward_done(self, module, args, output) -> None:
+        if not self.announcing:
             return
-        index = len([e for e in self._steps if isinstance(e, _Forward)])
-        shape = tuple(input.shape[1:])
-        event = _Forward(weakref.ref(layer), shape, input.dtype, input.device, input.requires_grad)
-        self._steps.append(event)
-        if output.grad_fn is not None and input.requires_grad:
-            output.grad_fn.register_prehook(lambda grads, index=index: self._backward_made(index))
+        self._end_due = True
+        needing = [t for t in _tensors(output) if t.requires_grad]
+        if not needing:
+            self.end_step()
+            return
+        self._end_queued = False
+        for tensor in needing:
+            tensor.register_hook(self._queue_end)
 
-    def _backward_made(self, index: int) -> None:
-        if not self._replaying:
-            self._steps.append(_Backward(index))
+    def _queue_end(self, grad: Tensor) -> None:
+        if self._end_due and not self._end_queued:
+            self._end_queued = True
+            _torch_compat.at_end_of_backward(self.end_step)
 
-    def replay_step(self) -> None:
-        """Take part, with empty batches, in the synchronized calls of one step of the others."""
-        step = self._steps or self._last_step
-        if not step:
-            raise RuntimeError(
-                "distsync.joinable: this rank joined before its first step, so it cannot tell which "
-                "synchronized calls the others make; every rank needs at least one batch"
+    def end_step(self) -> None:
+        """Tell the joined ranks this step's calls are over (once per step that announced)."""
+        if self._end_due:
+            self._end_due = False
+            self._reducer.announce_end()
+
+    # ------------------------------------------------------------------------- a joined rank
+
+    def shadow_step(self) -> None:
+        """Take part, with no samples, in the synchronized calls of one step of the ranks still training."""
+        if self._reducer.roll_call(0.0) == 0:
+            return  # nobody of this layer group is training: no call to take part in
+        device = self.join_device
+        while True:
+            kind, fields = self._reducer.receive()
+            if kind == _END:
+                return
+            call = self._decode(kind, fields)
+            if call.direction == FORWARD:
+                shadow_forward(self._by_identity[self._identity(fields)], call, self._reducer.plain, device)
+            else:
+                shadow_backward(call, self._reducer.plain, device)
+
+    def _identity(self, fields: list[float]) -> int:
+        return sum(int(fields[1 + i]) << (16 * i) for i in range(4))
+
+    def _decode(self, kind: float, fields: list[float]) -> Call:
+        identity = self._identity(fields)
+        layer = self._by_identity.get(identity)
+        if layer is None or kind not in (FORWARD, BACKWARD):
+            raise SyncMismatchError(
+                "this rank has joined (it ran out of batches) and takes part in the others' synchronized "
+                f"calls, but they announced a call it cannot make: layer id {identity:#x} is not a "
+                "synchronized layer of the model given to distsync.joinable on this rank"
             )
-        self._replaying = True
-        try:
-            with torch.enable_grad():
-                for event in step:
-                    if isinstance(event, _Forward):
-                        self._replay_forward(event)
-                    else:
-                        output = self._replayed[event.forward]
-                        output.grad_fn.apply(torch.zeros_like(output))  # sends zero gradient sums
-        finally:
-            self._replaying = False
-            self._replayed = []
-
-    def _replay_forward(self, event: _Forward) -> None:
-        layer = event.layer()
-        if layer is None:
-            raise RuntimeError("distsync.joinable: a synchronized layer of the model is gone")
-        empty = torch.zeros((0, *event.shape), dtype=event.dtype, device=event.device)
-        empty.requires_grad_(event.requires_grad)
-        layer(empty)
+        momentum = fields[8] if fields[7] else None
+        return Call(
+            int(kind), layer._sync_state, int(fields[5]), _DTYPES[int(fields[6])], momentum, fields[9],
+            bool(fields[10]), bool(fields[11]),
+        )  # fmt: skip
 
 
-class _ReplayHook(JoinHook):
-    """Each step of the others, on a joined rank: the replay of the synchronized calls and DDP's join hook
-    (``shadow``), each on a thread of its own. DDP's hook makes the collectives the others make before and
+class _AnnouncingReducer(ProcessGroupReducer):
+    """The layers' reducer inside ``Join``: one all-reduce on the join group per call, announced first
+    while some rank of the group has joined."""
+
+    def __init__(self, group: dist.ProcessGroup, joinable: _SyncedLayersJoinable) -> None:
+        super().__init__(group, dist.get_world_size(group))
+        self.plain = ProcessGroupReducer(group, self.world_size)
+        self._joinable = weakref.ref(joinable)
+
+    def announce(self, call: Call) -> None:
+        joinable = self._joinable()
+        if joinable is None or not joinable.announcing:
+            return
+        identity = call.state.identity or 0
+        fields = [
+            float(call.direction),
+            *(float((identity >> (16 * i)) & 0xFFFF) for i in range(4)),
+            float(call.channels),
+            float(_DTYPES.index(call.dtype)) if call.dtype in _DTYPES else 2.0,
+            1.0 if call.momentum is not None else 0.0,
+            float(call.momentum or 0.0),
+            float(call.eps),
+            float(call.running),
+            float(call.counts),
+        ]
+        self._send(fields)
+
+    def announce_end(self) -> None:
+        self._send([_END] + [0.0] * (_FIELDS - 1))
+
+    def _send(self, fields: list[float]) -> None:
+        dist.all_reduce(torch.tensor(fields, dtype=torch.float64, device=_device(self.process_group)),
+                        op=dist.ReduceOp.MAX, group=self.process_group)  # fmt: skip
+
+    def receive(self) -> tuple[float, list[float]]:
+        """The next announcement of the ranks still training (a joined rank sends -inf)."""
+        fields = torch.full((_FIELDS,), -math.inf, dtype=torch.float64, device=_device(self.process_group))
+        dist.all_reduce(fields, op=dist.ReduceOp.MAX, group=self.process_group)
+        values = fields.tolist()
+        return values[0], values
+
+    def roll_call(self, present: float) -> int:
+        """How many ranks of the group are still training (each training rank sends 1, a joined one 0)."""
+        count = torch.tensor([present], dtype=torch.float64, device=_device(self.process_group))
+        dist.all_reduce(count, group=self.process_group)
+        return int(count.item())
+
+
+def _device(group: dist.ProcessGroup) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class _ShadowHook(JoinHook):
+    """Each step of the others, on a joined rank: taking part in the synchronized calls, next to DDP's join
+    hook (``ddp``), each on a thread of its own. DDP's hook makes the collectives the others make before and
     after their synchronized calls (bucket rebuilds, buffer broadcasts, gradient all-reduces); each of the
     two sequences must meet the others' as they come, on its own process group, so neither may wait for
-    the other. The main thread waits for both, and raises a failed replay's error at once."""
+    the other. The main thread waits for both, and raises a failure of the first at once."""
 
     def __init__(self, joinable: _SyncedLayersJoinable) -> None:
         self._joinable = joinable
-        self.shadow: JoinHook | None = None
+        self.ddp: JoinHook | None = None
 
     def main_hook(self) -> None:
-        replay = _Worker(self._joinable.replay_step, "distsync-join-replay")
-        shadow = None if self.shadow is None else _Worker(self.shadow.main_hook, "distsync-join-ddp")
-        _wait(replay, shadow)
+        shadow = _Worker(self._joinable.shadow_step, "distsync-join-shadow")
+        ddp = None if self.ddp is None else _Worker(self.ddp.main_hook, "distsync-join-ddp")
+        _wait(shadow, ddp)
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        self._joinable.use_own_group(False)
-        if self.shadow is not None:  # DDP's: the last joiner's model is broadcast to every rank
-            self.shadow.post_hook(is_last_joiner)
+        self._joinable._disarm()
+        if self.ddp is not None:  # DDP's: the last joiner's model is broadcast to every rank
+            self.ddp.post_hook(is_last_joiner)
 
 
 class _InertHook(JoinHook):
@@ -221,27 +354,29 @@ class _Worker:
         return not self.thread.is_alive()
 
 
-def _wait(replay: _Worker, shadow: _Worker | None) -> None:
-    """Wait for both threads; a replay that fails is raised at once (DDP's hook, then waiting for gradient
+def _wait(shadow: _Worker, ddp: _Worker | None) -> None:
+    """Wait for both threads; a failed shadow is raised at once (DDP's hook, then waiting for gradient
     all-reduces the others never make, is left behind). Each thread's collectives end by their group's
     timeout at the latest, so this wait is bounded too."""
     while True:
-        if replay.done and replay.error is not None:
-            _raise_replay_error(replay.error)
-        if replay.done and (shadow is None or shadow.done):
-            if shadow is not None and shadow.error is not None:
-                raise shadow.error
+        if shadow.done and shadow.error is not None:
+            raise shadow.error
+        if shadow.done and (ddp is None or ddp.done):
+            if ddp is not None and ddp.error is not None:
+                raise ddp.error
             return
-        (replay.thread if not replay.done else shadow.thread).join(0.01)
+        (shadow.thread if not shadow.done else ddp.thread).join(0.01)
 
 
-def _raise_replay_error(error: BaseException) -> None:
-    if isinstance(error, SyncMismatchError):
-        raise SyncMismatchError(
-            "this rank has joined (it ran out of batches) and replays the synchronized calls of its last "
-            f"step, but the ranks still training changed theirs: {error}"
-        ) from error
-    raise error
+def _tensors(value) -> list[Tensor]:
+    """The tensors in a model's output (nested tuples, lists and dicts)."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -251,23 +386,23 @@ def _device_of(model: nn.Module) -> torch.device:
 def joinable(model: nn.Module) -> Joinable:
     """The synchronized layers of ``model`` as a ``Joinable``, for ranks with uneven numbers of batches.
 
-    Make it on every rank before the first step, and pass it to ``Join`` first, then the DDP model::
+    Pass it to ``Join`` first, then the DDP model, on every rank (make it once, or anew for each ``Join``)::
 
-        >>> ddp_model = DistributedDataParallel(model, forward_sync_buffers=False)
-        >>> layers = distsync.joinable(ddp_model)
-        >>> with Join([layers, ddp_model]):
-        ...     for x, y in loader:  # uneven lengths across ranks
+        >>> ddp_model = DistributedDataParallel(model, **distsync.no_buffer_broadcast())
+        >>> with Join([distsync.joinable(ddp_model), ddp_model]):
+        ...     for x, y in loader:  # uneven lengths across ranks, none at all on some
         ...         loss_fn(ddp_model(x), y).backward()
         ...         optimizer.step()
 
-    A rank whose loader ran out takes part in the others' synchronized calls with empty batches, so each
+    A rank whose loader ran out takes part in the others' synchronized calls with no samples, so each
     step's outputs, gradients and running statistics are those of ``nn.BatchNorm`` on the batches that exist
-    that step. Layers that sync over the default group get a group of their own with the same ranks (created
-    here, on every rank), so their all-reduces never interleave with DDP's. A model whose synchronized calls
-    change between steps makes every rank raise ``SyncMismatchError`` at once, the joined ones included.
-    For that, the joinable runs the DDP model's join hook itself, next to the replay, whenever both are in
-    the same ``Join``: ``ddp_model.join_hook`` then hands ``Join`` an inert hook (anywhere else, such as
-    ``ddp_model.join()``, it is DDP's own).
+    that step, and its own running statistics follow. It runs no module of its own meanwhile: what the
+    others' steps call (checkpointed blocks, subclasses, calls that change between steps) needs nothing
+    special. Inside the ``Join`` the layers sync on a process group of their own with the same ranks (made
+    once per process, on every rank), apart from DDP's collectives. A step is one forward of the model and
+    at most one backward of its outputs, as for DDP's own join hook. The joinable runs the DDP model's join
+    hook itself, next to its own, whenever both are in the same ``Join``: ``ddp_model.join_hook`` then hands
+    ``Join`` an inert hook (anywhere else, such as ``ddp_model.join()``, it is DDP's own).
 
     Args:
         model: the DDP-wrapped model (or the model itself), whose forward starts each step

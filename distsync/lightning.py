@@ -17,8 +17,8 @@ import importlib
 
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
+from . import _torch_compat
 from .batchnorm import DistSyncBatchNorm
 from .convert import convert_sync_batchnorm, revert_sync_batchnorm
 from .groups import create_syncbn_process_group
@@ -78,19 +78,17 @@ class DistSyncBatchNormPlugin(*_layer_sync_bases()):
 
     def revert(self, model: nn.Module) -> nn.Module:
         if self._ignored_before is not None:
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, self._ignored_before)
+            _torch_compat.set_ddp_ignored(model, self._ignored_before)
             self._ignored_before = None
         return revert_sync_batchnorm(model)
 
     def _keep_group_statistics(self, model: nn.Module) -> None:
         """Exclude the synced layers' buffers from DDP's broadcast of rank 0's buffers."""
-        self._ignored_before = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        self._ignored_before = _torch_compat.ddp_ignored(model)
         buffers = [
             f"{path}.{name}" if path else name
             for path, layer in model.named_modules()
             if isinstance(layer, DistSyncBatchNorm)
             for name, _ in layer.named_buffers(recurse=False)
         ]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-            model, [*self._ignored_before, *buffers]
-        )
+        _torch_compat.set_ddp_ignored(model, [*self._ignored_before, *buffers])

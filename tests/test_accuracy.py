@@ -61,6 +61,9 @@ class _OneRank:
     def all_reduce(self, payload: torch.Tensor) -> torch.Tensor:
         return payload
 
+    def announce(self, call) -> None:  # nobody joined to tell
+        pass
+
 
 def _batch(case: Case, world_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of one step in ``case.dtype`` (every rank's, stacked) and its output gradient."""

@@ -7,7 +7,7 @@ import torch
 from bn_subclasses import ActNorm2d
 from cuda_emulation import cuda_path_on_cpu
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import distsync
 from distsync import _transport
@@ -91,3 +91,181 @@ def test_checkpointed_steps_equal_plain_steps_with_no_extra_all_reduce(cuda_path
             # 4 synced calls per step (bn, shared twice, act), one all-reduce forward and one backward each;
             # the CPU may merge a call far from its shift again (a second forward all-reduce), alike in all
             assert calls == want_calls and calls >= 4 * 2 * 3, mode
+
+
+# --- cases where matching a recomputed call by its input would pick the wrong call -------------------------
+
+MODES = (False, "reentrant", "non-reentrant")
+
+
+def _checkpointed(fn, mode, *args):
+    if not mode:
+        return fn(*args)
+    return checkpoint(fn, *args, use_reentrant=mode == "reentrant")
+
+
+def _twice_on_identical_inputs(rank, world_size, mode):
+    """One layer twice in a block; on rank 0 both calls see bit-identical inputs, on rank 1 they do not."""
+    torch.manual_seed(0)
+    bn = distsync.DistSyncBatchNorm1d(4)
+    x = torch.randn(3 + rank, 4, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+    z = x * 1 if rank == 0 else x * 2 + 1
+
+    def block(x, z):
+        return bn(x) * bn(z).exp()
+
+    out = _checkpointed(block, mode, x, z)
+    out.sum().backward()
+    return [out.detach(), x.grad, bn.weight.grad, bn.running_mean, bn.running_var]
+
+
+def _sequential_repeating_a_batch(rank, world_size, mode):
+    """checkpoint_sequential over an MLP starting with BatchNorm1d; rank 0 trains on the same batch every
+    step (its calls' inputs repeat from step to step), with SGD steps in between."""
+    torch.manual_seed(0)
+    model = distsync.convert_sync_batchnorm(
+        nn.Sequential(nn.BatchNorm1d(6), nn.Linear(6, 6), nn.ReLU(), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    seen = []
+    for step in range(4):
+        gen = torch.Generator().manual_seed(0 if rank == 0 else step + 1)
+        x = torch.randn(4, 6, generator=gen).requires_grad_()
+        if mode:
+            out = checkpoint_sequential(model, 2, x, use_reentrant=mode == "reentrant")
+        else:
+            out = model(x)
+        out.square().sum().backward()
+        seen.append([out.detach(), x.grad, *(p.grad.clone() for p in model.parameters())])
+        optimizer.step()
+        optimizer.zero_grad()
+    return seen, [b.clone() for b in model.buffers()]
+
+
+def _many_calls_one_empty_rank(rank, world_size, mode):
+    """A block calling one layer 20 times; rank 1's batch is empty. Counts the all-reduces."""
+    calls = []
+    original = _transport.ProcessGroupReducer.all_reduce
+
+    def counted(self, payload):
+        calls.append(payload.numel())
+        return original(self, payload)
+
+    _transport.ProcessGroupReducer.all_reduce = counted
+    try:
+        torch.manual_seed(0)
+        bn, lin = distsync.DistSyncBatchNorm1d(5), nn.Linear(5, 5)
+
+        def block(x):
+            for _ in range(20):
+                x = lin(bn(x)).tanh()
+            return x
+
+        x = torch.randn(0 if rank == 1 else 6, 5, generator=torch.Generator().manual_seed(3)).requires_grad_()
+        out = _checkpointed(block, mode, x)
+        out.sum().backward()
+        return [out.detach(), x.grad, bn.weight.grad, lin.weight.grad, bn.running_var], len(calls)
+    finally:
+        _transport.ProcessGroupReducer.all_reduce = original
+
+
+def _per_mode(rank, world_size, case):
+    return {mode: case(rank, world_size, mode) for mode in MODES}
+
+
+def _assert_same_bits(got, want, label):
+    if isinstance(got, (list, tuple)):
+        assert len(got) == len(want), label
+        for a, b in zip(got, want, strict=True):
+            _assert_same_bits(a, b, label)
+    elif isinstance(got, torch.Tensor):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=label)
+    else:
+        assert got == want, label
+
+
+@pytest.mark.parametrize(
+    "case", [_twice_on_identical_inputs, _sequential_repeating_a_batch, _many_calls_one_empty_rank]
+)
+def test_recomputed_calls_get_their_own_statistics_bit_for_bit(case):
+    """Checkpointed equals plain, bit for bit, in both checkpoint modes (and as many all-reduces)."""
+    for runs in run_world(_per_mode, 2, case):
+        for mode in ("reentrant", "non-reentrant"):
+            _assert_same_bits(runs[mode], runs[False], f"{case.__name__} {mode}")
+
+
+class _Reversible(torch.autograd.Function):
+    """A reversible block, y1 = x1 + f(x2), y2 = x2 + g(y1): its backward rebuilds the inputs by running
+    f and g again (a forward inside a backward that is no checkpoint's recomputation)."""
+
+    @staticmethod
+    def forward(ctx, x1, x2, f, g, *params):
+        ctx.f, ctx.g = f, g
+        with torch.no_grad():
+            y1 = x1 + f(x2)
+            y2 = x2 + g(y1)
+        ctx.save_for_backward(y1, y2)
+        return y1, y2
+
+    @staticmethod
+    def backward(ctx, dy1, dy2):
+        y1, y2 = ctx.saved_tensors
+        f, g = ctx.f, ctx.g
+        with torch.enable_grad():
+            y1 = y1.detach().requires_grad_()
+            gy1 = g(y1)
+            x2 = (y2 - gy1).detach().requires_grad_()
+            fx2 = f(x2)
+        params = [*f.parameters(), *g.parameters()]
+        dgy1 = torch.autograd.grad(gy1, [y1, *g.parameters()], dy2)
+        dy1_total = dy1 + dgy1[0]
+        dfx2 = torch.autograd.grad(fx2, [x2, *f.parameters()], dy1_total)
+        grads = {p: None for p in params}
+        for p, grad in zip(g.parameters(), dgy1[1:], strict=True):
+            grads[p] = grad
+        for p, grad in zip(f.parameters(), dfx2[1:], strict=True):
+            grads[p] = grad
+        return (dy1_total, dy2 + dfx2[0], None, None, *(grads[p] for p in params))
+
+
+def _reversible_net(norm):
+    torch.manual_seed(0)
+    f = nn.Sequential(nn.Linear(4, 4), norm(4), nn.Tanh())
+    g = nn.Sequential(nn.Linear(4, 4), norm(4), nn.Tanh())
+    return f.double(), g.double()
+
+
+def _reversible_step(f, g, x1, x2):
+    y1, y2 = _Reversible.apply(x1, x2, f, g, *f.parameters(), *g.parameters())
+    (y1.sin() + y2.cos()).sum().backward()
+    return [y1.detach(), y2.detach(), x1.grad, x2.grad, *(p.grad for p in [*f.parameters(), *g.parameters()])]
+
+
+def _reversible_world(rank, world_size):
+    f, g = (distsync.convert_sync_batchnorm(m) for m in _reversible_net(nn.BatchNorm1d))
+    x = torch.randn(7, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    rows = slice(0, 3) if rank == 0 else slice(3, 7)
+    x1, x2 = (part[rows].clone().requires_grad_() for part in x.split(4, dim=1))
+    seen = _reversible_step(f, g, x1, x2)
+    for p in seen[4:]:
+        torch.distributed.all_reduce(p)  # parameter gradients stay local: summed, as DDP would
+    return seen, [b.clone() for b in [*f.buffers(), *g.buffers()]]
+
+
+def test_a_forward_inside_a_custom_backward_is_an_ordinary_synchronized_call():
+    """A reversible network rebuilds its activations in its backward: those calls all-reduce (as
+    nn.SyncBatchNorm's do) and equal nn.BatchNorm on the global batch, outputs, gradients and running
+    statistics (moved by both passes, as nn.BatchNorm's are)."""
+    f, g = _reversible_net(nn.BatchNorm1d)
+    x = torch.randn(7, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    x1, x2 = (part.clone().requires_grad_() for part in x.split(4, dim=1))
+    want = _reversible_step(f, g, x1, x2)
+    want_buffers = [b.clone() for b in [*f.buffers(), *g.buffers()]]
+    for rank, (seen, buffers) in enumerate(run_world(_reversible_world, 2)):
+        rows = slice(0, 3) if rank == 0 else slice(3, 7)
+        for got, expected in zip(seen[:4], want[:4], strict=True):
+            torch.testing.assert_close(got, expected[rows], rtol=1e-10, atol=1e-10)
+        for got, expected in zip(seen[4:], want[4:], strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+        for got, expected in zip(buffers, want_buffers, strict=True):
+            torch.testing.assert_close(got.to(expected.dtype), expected, rtol=1e-10, atol=1e-10)

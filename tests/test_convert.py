@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 import distsync
-from distsync._identity import module_path
+from distsync._identity import layer_path
+from distsync.batchnorm import DistSyncSyncBatchNorm
 
 
 def _model():
@@ -29,13 +30,35 @@ def test_convert_keeps_objects_flags_and_names():
     assert type(model[1]) is distsync.DistSyncBatchNorm1d
     assert type(model[2][1]) is distsync.DistSyncBatchNorm2d
     assert type(model[3]) is distsync.DistSyncBatchNorm3d
-    assert type(model[4]) is distsync.DistSyncBatchNorm
+    assert type(model[4]) is DistSyncSyncBatchNorm
     assert model[1].weight is weight and model[1].running_mean is running_mean
     assert not model[1].weight.requires_grad
     assert not model[2][1].training and model[1].training
     assert model[2][1].momentum is None and model[4].eps == 1e-3 and model[4].running_mean is None
     assert model[3].weight is None
-    assert module_path(model[2][1]) == "2.1"
+    assert layer_path(model[2][1]) == "2.1"
+
+
+def test_a_converted_layer_is_an_instance_of_the_class_it_replaced():
+    model = distsync.convert_sync_batchnorm(_model())
+    for layer, cls in zip([model[1], model[2][1], model[3], model[4]], _PLAIN_CLASSES, strict=True):
+        assert isinstance(layer, cls) and isinstance(layer, distsync.DistSyncBatchNorm), (layer, cls)
+    # so code that walks a model by type finds them: a freeze-BN loop, a weight-decay exclusion
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.eval()
+    assert not model[2][1].training and model[1].training
+    built = [cls(4) for cls in (distsync.DistSyncBatchNorm1d, distsync.DistSyncBatchNorm2d)]
+    built.append(distsync.DistSyncBatchNorm3d(4))
+    for layer, cls in zip(built, _PLAIN_CLASSES, strict=False):
+        assert isinstance(layer, cls)
+    assert isinstance(distsync.DistSyncBatchNorm(4), distsync.BatchNormNd)
+    assert not isinstance(built[1], nn.SyncBatchNorm)  # torch's converter would replace it
+    with pytest.raises(ValueError, match="expected 4D input"):
+        built[1](torch.randn(2, 4))  # nn.BatchNorm2d's own check and message
+
+
+_PLAIN_CLASSES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 def test_convert_keeps_dtype_and_process_group_argument():
@@ -45,13 +68,17 @@ def test_convert_keeps_dtype_and_process_group_argument():
     assert converted.process_group == "group-sentinel"
 
 
-def test_layer_paths_are_found_from_inside_the_model_and_after_wrapping():
+def test_layer_paths_are_stamped_by_conversion_and_wrappers_are_left_out():
     model = distsync.convert_sync_batchnorm(_model())
-    paths = [module_path(m) for m in model.modules() if isinstance(m, distsync.DistSyncBatchNorm)]
+    paths = [layer_path(m) for m in model.modules() if isinstance(m, distsync.DistSyncBatchNorm)]
     assert paths == ["1", "2.1", "3", "4"]
-    wrapper = nn.Sequential()
-    wrapper.add_module("module", model)  # what DistributedDataParallel does
-    assert module_path(model[2][1]) == "module.2.1"
+    outer = nn.Sequential()
+    outer.add_module("net", model)
+    assert layer_path(model[2][1]) == "2.1"  # registering it elsewhere afterwards changes nothing
+    distsync.convert_sync_batchnorm(outer)  # converting again from a larger root names from there
+    assert layer_path(model[2][1]) == "net.2.1"
+    wrapped = nn.DataParallel(distsync.convert_sync_batchnorm(_model()))
+    assert layer_path(distsync.convert_sync_batchnorm(wrapped).module[2][1]) == "2.1"
 
 
 def test_state_dict_loads_both_ways():

@@ -1,6 +1,5 @@
 """A DDP training step with DistSyncBatchNorm equals single-process training on the full batch."""
 
-import inspect
 import os
 import subprocess
 import sys
@@ -13,12 +12,6 @@ import distsync
 from distsync.testing import free_port, run_world
 
 PER_RANK = 4
-# Synced BN keeps buffers equal on every rank; the keyword that skips DDP's broadcast was renamed in 2.13.
-_NO_BUFFER_SYNC = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-    else {"broadcast_buffers": False}
-)
 
 
 def _net():
@@ -56,7 +49,7 @@ def _train(model, batches, rank=0, per_rank=None):
 
 
 def _ddp_worker(rank, world_size, steps):
-    model = DistributedDataParallel(distsync.convert_sync_batchnorm(_net()), **_NO_BUFFER_SYNC)
+    model = DistributedDataParallel(distsync.convert_sync_batchnorm(_net()), **distsync.no_buffer_broadcast())
     return _train(model, _batches(world_size, steps), rank, PER_RANK)
 
 

@@ -5,6 +5,7 @@ import io
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import distsync
@@ -49,25 +50,76 @@ def test_paths_are_the_same_for_built_loaded_copied_and_wrapped_models():
     # Wrappers (DataParallel's ``module`` here, like DDP's) are left out, around a built or a loaded model.
     assert _paths(nn.DataParallel(_model())) == ["1", "2.0"]
     assert _paths(nn.DataParallel(_reload(built))) == ["1", "2.0"]
-    # A loaded model registered in an outer module gets the same paths as a built one there.
+    # Paths are stamped by the conversion: registering the model in an outer module later changes nothing.
     outer, loaded_outer = nn.Module(), nn.Module()
     outer.net, loaded_outer.net = _model(), _reload(built)
-    assert _paths(outer) == _paths(loaded_outer) == ["net.1", "net.2.0"]
+    assert _paths(outer) == _paths(loaded_outer) == ["1", "2.0"]
     # A plain model loaded, then converted: the new layers are named from the loaded root.
     plain = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)))
     assert _paths(distsync.convert_sync_batchnorm(_reload(plain))) == ["1.1"]
-    # Directly called submodules are named from the root, so they are told apart.
-    model = nn.Module()
-    model.encoder, model.decoder = _model(), _model()
+    # Converted from the root, directly called submodules are named from the root, so they are told apart.
+    model = distsync.convert_sync_batchnorm(_EncoderDecoder())
     assert layer_path(model.encoder[1]) == "encoder.1" and layer_path(model.decoder[1]) == "decoder.1"
     loaded = _reload(model)
     assert layer_path(loaded.encoder[1]) == "encoder.1" and layer_path(loaded.decoder[1]) == "decoder.1"
 
 
+class _BuiltSynced(nn.Module):
+    """A model built with synchronized layers (never converted): paths come from its first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Conv2d(4, 4, 1), distsync.DistSyncBatchNorm2d(4))
+        self.decoder = nn.Sequential(nn.Conv2d(4, 4, 1), distsync.DistSyncBatchNorm2d(4))
+
+    def forward(self, x, first="encoder"):
+        parts = (self.encoder, self.decoder) if first == "encoder" else (self.decoder, self.encoder)
+        return parts[1](parts[0](x))
+
+
+def _path_at_call(root: nn.Module, layer: nn.Module) -> str:
+    """The path ``layer`` resolves when ``root(x)`` calls it (read by a pre-hook, inside the call)."""
+    seen = []
+    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(layer_path(module)))
+    root(torch.randn(3, 4, 2, 2))
+    handle.remove()
+    return seen[0]
+
+
+def test_built_models_are_named_from_the_outermost_module_at_their_first_call():
+    model = _BuiltSynced()
+    assert model.encoder[1]._sync_state.path is None
+    assert _path_at_call(nn.DataParallel(model), model.decoder[1]) == "decoder.1"  # wrapper slot left out
+    assert model.encoder[1]._sync_state.path == "encoder.1"  # every layer under that root at once
+    alone = distsync.DistSyncBatchNorm2d(4)
+    assert _path_at_call(alone, alone) == ""  # called on its own
+    converted = distsync.convert_sync_batchnorm(_BuiltSynced())  # conversion names built layers too
+    assert layer_path(converted.decoder[1]) == "decoder.1"
+
+
+def test_importing_distsync_changes_nothing_in_torch():
+    import subprocess
+    import sys
+
+    probe = (
+        "import torch, torch.nn.modules.module as m\n"
+        "hooks = lambda: {k: repr(getattr(m, k)) for k in dir(m) if k.startswith('_global_')}\n"
+        "before = hooks()\n"
+        "import distsync\n"
+        "after = hooks()\n"
+        "assert before == after, (before, after)\n"
+        "assert torch.nn.BatchNorm2d.__module__ == 'torch.nn.modules.batchnorm'\n"
+        "print('unchanged', len(after))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith("unchanged"), result.stderr
+
+
 def test_renumbered_and_named_layers():
     model = _model()
-    del model[0]  # nn.Sequential renumbers its modules in place, without registration
-    assert _paths(model) == ["0", "1.0"]
+    del model[0]  # nn.Sequential renumbers its modules in place: the names stamped by conversion stay
+    assert _paths(model) == ["1", "2.0"]
+    assert _paths(distsync.convert_sync_batchnorm(model)) == ["0", "1.0"]  # until it is converted again
     twin = distsync.name_layers(_model(), "teacher")
     assert _paths(twin) == ["teacher.1", "teacher.2.0"]
     assert _paths(_reload(twin)) == _paths(copy.deepcopy(twin)) == ["teacher.1", "teacher.2.0"]
@@ -158,11 +210,16 @@ def _identity_world(rank, world_size, saved):
     # Layer names whose ids collided under crc32 mod 2^20.
     holder = nn.Module()
     holder.bn3380, holder.bn40040 = distsync.DistSyncBatchNorm2d(8), distsync.DistSyncBatchNorm2d(8)
+    distsync.convert_sync_batchnorm(holder)  # names the built layers from the holder
     layer = holder.bn3380 if rank == 0 else holder.bn40040
     seen["colliding names"] = _outcome(lambda: layer(torch.randn(3, 8, 2, 2)).shape)
     # Separately built twins called in rank-dependent order: named, they are told apart.
     twins = [distsync.name_layers(_built(), name) for name in ("a", "b")]
     seen["named twins swapped"] = _outcome(lambda: twins[rank].encoder(_x()).shape)
+    # A model built with synchronized layers, never converted: named from the model at the first call,
+    # so its parts called in rank-dependent order inside its forward are told apart.
+    built = _BuiltSynced()
+    seen["built, swapped inside forward"] = _outcome(lambda: built(_x(), ("encoder", "decoder")[rank]).shape)
     # A layer shared by two parents, a checkpointed block and functional_call: every rank alike.
     shared = _built()
     shared.decoder[1] = shared.encoder[1]
@@ -191,12 +248,13 @@ def _built():
     return distsync.convert_sync_batchnorm(_EncoderDecoder())
 
 
-def test_identity_across_ranks_without_frames():
+def test_identity_across_ranks():
     buffer = io.BytesIO()
     torch.save(_built(), buffer)
     for seen in run_world(_identity_world, 2, buffer.getvalue()):
         for scenario in ("loaded, direct calls", "wrapper on one rank", "shared, checkpoint, functional"):
             assert seen[scenario] == (None, torch.Size([3, 4, 2, 2])), (scenario, seen[scenario])
-        for scenario in ("swapped submodules", "colliding names", "named twins swapped"):
+        swapped = ("swapped submodules", "colliding names", "named twins swapped")
+        for scenario in (*swapped, "built, swapped inside forward"):
             assert seen[scenario][0] == "SyncMismatchError", (scenario, seen[scenario])
         assert seen["first batch freed"]

@@ -4,6 +4,7 @@ Each world runs every scenario in one spawn (spawning dominates the cost) and re
 """
 
 import copy
+import inspect
 import io
 from datetime import timedelta
 
@@ -62,9 +63,11 @@ def _identity_scenarios(rank, world_size, saved_model):
     fresh = _model()
     order = (0, 2) if rank == 0 else (2, 0)
     seen["swapped layers"] = _outcome(lambda: [fresh[i](_x()) for i in order] and None)
-    # Layers constructed directly inside a module find their own path.
-    direct = nn.Sequential(distsync.DistSyncBatchNorm2d(4), distsync.DistSyncBatchNorm2d(4))
-    seen["direct layers swapped"] = _outcome(lambda: direct[rank](_x()).shape)
+    # Layers constructed directly inside a module (never converted) get their paths from it at their
+    # first call.
+    direct = _TwoLayers()
+    direct.a, direct.b = distsync.DistSyncBatchNorm2d(4), distsync.DistSyncBatchNorm2d(4)
+    seen["direct layers swapped"] = _outcome(lambda: direct(_x(), swap=rank == 1).shape)
     # A model loaded whole (torch.load) on rank 0 and built on rank 1 is the same model...
     loaded = torch.load(io.BytesIO(saved_model), weights_only=False) if rank == 0 else _two_layers()
     seen["loaded vs built"] = _outcome(lambda: loaded(_x()).shape)
@@ -211,6 +214,9 @@ def test_collective_failure_names_the_layer():
         def all_reduce(self, payload):
             raise RuntimeError("Connection reset by peer")
 
+        def announce(self, call):
+            pass
+
     layer = distsync.DistSyncBatchNorm2d(4)
     layer._replica_reducer = Broken()
     with pytest.raises(distsync.SyncError, match="forward call #0 failed: Connection reset by peer") as info:
@@ -219,12 +225,17 @@ def test_collective_failure_names_the_layer():
 
 
 def test_bias_false_and_pytorch_encoding_signature():
+    assert run_world(_encoding_signature, 2) == [True, True]
+    if "bias" not in inspect.signature(nn.BatchNorm2d.__init__).parameters:  # torch < 2.12
+        with pytest.raises(TypeError, match="bias=False needs torch >= 2.12"):
+            distsync.DistSyncBatchNorm2d(4, bias=False)
+        assert distsync.DistSyncBatchNorm2d(4, bias=True).bias is not None
+        return
     layer = distsync.DistSyncBatchNorm2d(4, bias=False)
     assert layer.bias is None and layer.weight is not None
     plain = nn.BatchNorm2d(4, bias=False)
     assert distsync.revert_sync_batchnorm(distsync.convert_sync_batchnorm(copy.deepcopy(plain))).bias is None
     plain.load_state_dict(distsync.convert_sync_batchnorm(nn.BatchNorm2d(4, bias=False)).state_dict())
-    assert run_world(_encoding_signature, 2) == [True, True]
 
 
 def _encoding_signature(rank, world_size):

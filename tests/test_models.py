@@ -12,7 +12,6 @@ outputs, and its parameters after a few SGD steps under DDP.
 from __future__ import annotations
 
 import copy
-import inspect
 
 import _vision
 import pytest
@@ -33,12 +32,6 @@ SIZE = 64  # image side: the last stage of each model sees 2x2 positions per sam
 CLASSES = 5
 TIMM_MODELS = ["efficientnet_b0", "mobilenetv3_small_100"]
 MODELS = [*TIMM_MODELS, "resnet18"]
-# Synced BN keeps buffers equal on every rank; the keyword that skips DDP's broadcast was renamed in 2.13.
-_NO_BUFFER_SYNC = (
-    {"forward_sync_buffers": False}
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-    else {"broadcast_buffers": False}
-)
 # Largest relative errors accepted against the float64 original, measured at most 1e-11 for the float64
 # converted model and 7e-6 for the float32 one's forward (its outputs and running statistics), as for the
 # float32 original on the global batch. Float32 gradients are not compared: in these ReLU/max-pool networks
@@ -201,7 +194,7 @@ def _world(
 
     # DDP steps on the global batch's mean loss (uneven batches: each rank's sum, rescaled)
     before = [p.detach().clone() for p in reference.parameters()]
-    ddp = DistributedDataParallel(model, **_NO_BUFFER_SYNC)
+    ddp = DistributedDataParallel(model, **distsync.no_buffer_broadcast())
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     expected_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):

@@ -5,6 +5,7 @@ import io
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from bn_subclasses import ActNorm2d, AtenNorm, OwnStatisticsNorm, SkipsEmptyNorm, SuperNorm1d, SyncNormAct
 from torch import nn
 
@@ -162,14 +163,47 @@ def test_an_unsyncable_subclass_is_refused_on_every_rank():
         assert name == "ValueError" and "OwnStatisticsNorm cannot be synchronized" in message
 
 
-def test_a_rank_whose_forward_skips_batch_norm_fails_every_rank():
-    """One rank's forward makes no F.batch_norm call (an empty batch returned as is): it raises, and the
-    rank waiting in the all-reduce raises too instead of hanging."""
-    results = run_world(_refused, 2, SkipsEmptyNorm, [3, 0], timeout=120)
-    assert results[0][0] == "SyncError" and "rejected their input" in results[0][1]
-    assert results[1][0] == "ValueError" and "SkipsEmptyNorm cannot be synchronized" in results[1][1]
+def _skips_empty(rank, world_size, mode):
+    torch.manual_seed(0)
+    model = distsync.convert_sync_batchnorm(nn.Sequential(nn.Conv2d(2, 3, 1), SkipsEmptyNorm(3)))
+    x = torch.randn([3, 0][rank], 2, 3, 3, generator=torch.Generator().manual_seed(7)).requires_grad_()
+    if mode:
+        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=mode == "reentrant")
+    else:
+        out = model(x)
+    (out * out.detach().sign()).sum().backward()
+    layer = model[1]
+    grads = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    stats = (layer.running_mean.clone(), layer.running_var.clone(), layer.num_batches_tracked)
+    return out.detach(), grads, *stats
 
 
+def _skips_empty_all_modes(rank, world_size):
+    return [_skips_empty(rank, world_size, mode) for mode in (False, "reentrant", "non-reentrant")]
+
+
+def test_a_rank_whose_forward_skips_batch_norm_for_an_empty_batch_still_takes_part():
+    """One rank's forward makes no F.batch_norm call (an empty batch returned as is, detectron2 style): it
+    takes part in the call with no samples, so every rank gets nn.BatchNorm's result on the global batch,
+    checkpointed or not."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3))
+    x = torch.randn(3, 2, 3, 3, generator=torch.Generator().manual_seed(7)).requires_grad_()
+    out = reference(x)
+    (out * out.detach().sign()).sum().backward()
+    bn = reference[1]
+    for rank, runs in enumerate(run_world(_skips_empty_all_modes, 2)):
+        for got_out, grads, mean, var, counted in runs:
+            if rank == 0:
+                torch.testing.assert_close(got_out, out.detach(), rtol=1e-5, atol=1e-5)
+            else:
+                assert got_out.shape == (0, 3, 3, 3)
+            torch.testing.assert_close(mean, bn.running_mean, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(var, bn.running_var, rtol=1e-5, atol=1e-6)
+            assert int(counted) == 1
+            if rank == 0:  # the empty rank's parameter gradients are zero, the others' those of the batch
+                for got, param in zip(grads, reference.parameters(), strict=True):
+                    torch.testing.assert_close(got, param.grad, rtol=1e-4, atol=1e-5)
 def _frozen_forward(rank, world_size):
     layer = distsync.convert_sync_batchnorm(_FrozenNorm(3))
     return layer(torch.randn(2 + rank, 3, 2, 2)).shape[0]

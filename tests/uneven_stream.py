@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils.data import IterableDataset, TensorDataset
 
@@ -44,3 +45,18 @@ def make_net() -> nn.Module:
         nn.BatchNorm2d(1), nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
         nn.Flatten(), nn.Linear(4, CLASSES),
     )  # fmt: skip
+
+
+class _Checkpointed(nn.Sequential):
+    """make_net's layers, the middle ones checkpointed (as timm's set_grad_checkpointing does)."""
+
+    def forward(self, x):
+        x = self[0](x)
+        x = torch.utils.checkpoint.checkpoint_sequential(list(self)[1:4], 2, x, use_reentrant=False)
+        for layer in list(self)[4:]:
+            x = layer(x)
+        return x
+
+
+def make_checkpointed_net() -> nn.Module:
+    return _Checkpointed(*make_net())

@@ -20,7 +20,6 @@ restored.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -32,7 +31,6 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import distsync
 from distsync.distributed import is_distributed
-from distsync.elastic import NonRetryableError
 
 from .collectives import all_reduce
 from .config import ConfigError, TrainConfig
@@ -123,11 +121,9 @@ def train_streaming(trainer: Trainer, bar) -> None:
     layers = distsync.joinable(trainer.ddp) if is_distributed() else None  # on every rank, before a step
     loss_sum = torch.zeros(2, dtype=torch.float64, device=trainer.device)  # sum of losses, count
     trainer.ddp.train()
-    first_pass = True
     while trainer.step < t.max_steps:
         start = trainer.step
-        losses = _one_pass(trainer, layers, bar, first_pass)
-        first_pass = False
+        losses = _one_pass(trainer, layers, bar)
         for _, loss in losses:
             loss_sum += torch.stack([loss, loss.new_ones(())])
         step = torch.tensor([trainer.step], dtype=torch.int64, device=trainer.device)
@@ -146,17 +142,13 @@ def train_streaming(trainer: Trainer, bar) -> None:
         _at_boundary(trainer, start, loss_sum, bar)
 
 
-def _one_pass(trainer: Trainer, layers, bar, first_pass: bool) -> list[tuple[int, Tensor]]:
+def _one_pass(trainer: Trainer, layers, bar) -> list[tuple[int, Tensor]]:
     """This rank's steps of one pass, under ``Join``; returns its ``(step, loss)`` pairs."""
     t = trainer.cfg.trainer
     losses: list[tuple[int, Tensor]] = []
-    batches = iter(trainer.batches)
-    first = next(batches, None)
-    if first_pass and layers is not None:
-        _every_rank_has_a_batch(trainer, first is not None)
     join = Join([layers, trainer.ddp]) if layers is not None else contextlib.nullcontext()
     with join:
-        for batch in itertools.chain([first], batches) if first is not None else ():
+        for batch in trainer.batches:
             if trainer.step >= t.max_steps:  # the ranks still training get here together
                 break
             loss = trainer._train_step(iter([batch]))
@@ -166,21 +158,6 @@ def _one_pass(trainer: Trainer, layers, bar, first_pass: bool) -> list[tuple[int
             if bar is not None:
                 bar.update(1)
     return losses
-
-
-def _every_rank_has_a_batch(trainer: Trainer, mine: bool) -> None:
-    """A rank that joins shadows the others' steps by replaying its own last one: in the first pass of a
-    run (or of a resumed attempt) it has none, so every rank needs a batch there. Decided on every rank."""
-    has = torch.zeros(trainer.world_size, device=trainer.device)
-    has[trainer.rank] = float(mine)
-    all_reduce(has)
-    missing = [rank for rank, count in enumerate(has.tolist()) if count == 0]
-    if missing:
-        raise NonRetryableError(
-            f"data.train: rank(s) {', '.join(map(str, missing))} have no full batch of "
-            f"data.batch_size={trainer.cfg.data.batch_size} in the first pass: under DDP's Join a rank needs "
-            "one step of its own before it can shadow the others', so every rank needs a batch there"
-        )
 
 
 def _record_recent_losses(trainer: Trainer, losses: list[tuple[int, Tensor]], start: int) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import itertools
 import math
 import os
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import distsync
-from distsync.distributed import get_rank, get_world_size, is_distributed
+from distsync.distributed import get_rank, get_world_size, is_distributed, no_buffer_broadcast
 from distsync.elastic import NonRetryableError
 
 from .build import building
@@ -43,10 +42,6 @@ from .streaming import StreamBatches, check_streaming, first_input, is_stream, t
 from .targets import instantiate
 
 __all__ = ["Trainer", "FINAL_LOSS_STEPS", "KILL_AT_STEP_ENV"]
-
-_DDP_ARGS = inspect.signature(
-    DistributedDataParallel.__init__
-).parameters  # broadcast_buffers renamed in 2.13
 
 KILL_AT_STEP_ENV = "DISTSYNC_TEST_KILL_AT_STEP"
 """Test hook: the rank in ``DISTSYNC_TEST_KILL_RANK`` (default 1) SIGKILLs itself after this step, on the
@@ -170,12 +165,9 @@ class Trainer:
         if not is_distributed():
             return self.model
         # Synchronized BN keeps the running statistics equal on every rank: no buffer broadcast per forward.
-        sync_buffers = not all_norms_synced(self.model)
-        key = "forward_sync_buffers" if "forward_sync_buffers" in _DDP_ARGS else "broadcast_buffers"
+        buffers = no_buffer_broadcast() if all_norms_synced(self.model) else {}
         ddp = DistributedDataParallel(
-            self.model,
-            device_ids=[self.device] if self.device.type == "cuda" else None,
-            **{key: sync_buffers},
+            self.model, device_ids=[self.device] if self.device.type == "cuda" else None, **buffers
         )
         self.comm.register_hook(ddp, self.step)
         return ddp

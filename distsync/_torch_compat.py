@@ -1,0 +1,112 @@
+"""The private torch APIs the synchronized layer uses, each in one place, each with a safe way out.
+
+torch changes private names between releases without notice. Each one distsync relies on lives here,
+behind a function that says what it is for, and falls back to a public equivalent (slower or less
+informative, never wrong) where the private one is gone. ``tests/test_torch_apis.py`` checks every one of
+them on the installed release, so a release that changes one fails that named test in CI rather than a
+user's run taking the fallback unnoticed.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = [
+    "at_end_of_backward",
+    "ddp_ignored",
+    "disable_dynamo",
+    "give_ddp_join_count",
+    "graph_task_id",
+    "mark_constant_for_dynamo",
+    "process_group_timeout",
+    "set_ddp_ignored",
+    "traceable_all_reduce",
+]
+
+
+def disable_dynamo(fn: Callable) -> Callable:
+    """``torch.compiler.disable(fn)``, without importing dynamo (seconds) before the first compiled call.
+
+    ``torch._disable_dynamo`` is torch's own lazy form of it (2.1 to 2.14 at least). Where it is gone, the
+    public ``torch.compiler.disable`` is applied at the first call, which only happens while compiling."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    if lazy is not None:
+        return lazy(fn)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return _disabled(fn)(*args, **kwargs)
+
+    return call
+
+
+@functools.cache
+def _disabled(fn: Callable) -> Callable:
+    return torch.compiler.disable(fn)
+
+
+def mark_constant_for_dynamo(fn: Callable) -> Callable:
+    """What ``torch._dynamo.assume_constant_result(fn)`` does (it sets this one flag: dynamo then calls
+    ``fn`` at trace time and bakes its result into the graph), without importing dynamo."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+def graph_task_id() -> int:
+    """The id of the backward pass the current thread runs (-1 outside any): ``torch._C.
+    _current_graph_task_id`` (2.1 to 2.14 at least); -1 where it is gone."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return -1 if current is None else current()
+
+
+def process_group_timeout(group: dist.ProcessGroup | None) -> float | None:
+    """How long a collective of ``group`` may wait for a peer, in seconds, or None where torch does not
+    say (then distsync's own waits use their defaults). Read from the group's backend options, which torch
+    keeps private (``_get_backend(device).options._timeout``, 2.0 to 2.14 at least)."""
+    group = group or dist.group.WORLD
+    try:
+        device = torch.device("cuda" if dist.get_backend(group) == "nccl" else "cpu")
+        backend = group._get_backend(device)
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError, ValueError, TypeError):  # a backend without options (fake, custom)
+        return None
+
+
+def traceable_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The sum of ``tensor`` over ``group`` as an op ``torch.compile`` traces into its graph:
+    ``torch.distributed._functional_collectives.all_reduce`` (2.2 to 2.14 at least; not differentiable
+    everywhere: callers write the backward). There is no public traceable collective."""
+    from torch.distributed import _functional_collectives
+
+    return _functional_collectives.all_reduce(tensor, "sum", group)
+
+
+def ddp_ignored(model: torch.nn.Module) -> list[str]:
+    """The parameters and buffers of ``model`` a DDP built around it will leave alone (by name)."""
+    return list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+
+
+def set_ddp_ignored(model: torch.nn.Module, names: list[str]) -> None:
+    """Make a DDP built around ``model`` leave these parameters and buffers alone (no broadcast, no
+    gradient all-reduce): ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``, torch's
+    own (private) way, which Lightning's and other strategies honour because DDP reads it at construction."""
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+def at_end_of_backward(callback) -> None:
+    """Run ``callback`` when the backward pass running now ends (``queue_callback`` of autograd's engine,
+    which DDP and FSDP use for their own end of backward; 1.x to 2.14 at least)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def give_ddp_join_count(ddp: DistributedDataParallel, work) -> None:
+    """Hand DDP the pending all-reduce of the ranks still training under ``Join``, as DDP's own forward does
+    when DDP is the first joinable (its gradients are then averaged over those ranks as DDP decides):
+    ``reducer._set_forward_pass_work_handle`` (1.10 to 2.14 at least)."""
+    ddp.reducer._set_forward_pass_work_handle(work, ddp._divide_by_initial_world_size)

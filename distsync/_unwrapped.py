@@ -1,0 +1,70 @@
+"""A synchronized model that nothing averages the gradients of: said once, on every rank.
+
+Synchronized batch norm makes each rank's forward depend on every rank's batch, but it leaves the
+parameters' gradients local, as ``nn.SyncBatchNorm`` does: a data-parallel wrapper (DDP, FSDP, DeepSpeed's
+engine, ...) averages them. A model whose synced layers train in a group of several ranks without such a
+wrapper trains each rank's weights on its own gradients while sharing batch statistics: silently not data
+parallel. It happens when a launcher starts the ranks but the training code does not know it (``accelerate
+launch`` without the matching ``Accelerator`` settings, a script that forgot DDP). The first training call
+that carries gradients looks at the modules being called (the frames' ``self``, wrappers' inner modules
+followed) for a data-parallel wrapper, once per process, and warns if it finds none.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from ._identity import calling_modules, is_wrapper_slot
+
+__all__ = ["warn_if_unwrapped"]
+
+# Classes (and base classes) that average gradients across ranks: torch's DDP and FSDP (1 and 2), and
+# those of other libraries, known by name so that none of them is imported.
+_DATA_PARALLEL = frozenset(
+    {
+        "DistributedDataParallel",
+        "FullyShardedDataParallel",
+        "FSDPModule",
+        "ShardedDataParallel",
+        "DeepSpeedEngine",
+        "DataParallel",
+    }
+)
+
+_decided = False
+
+
+def _data_parallel(module: nn.Module) -> bool:
+    while True:
+        if any(cls.__name__ in _DATA_PARALLEL for cls in type(module).__mro__):
+            return True
+        slots = (child for name, child in module._modules.items() if is_wrapper_slot(module, name))
+        inner = next((child for child in slots if child is not None), None)
+        if inner is None:  # torch.compile's _orig_mod (the traced DDP is not a frame), checkpoint wrappers
+            return False
+        module = inner
+
+
+def warn_if_unwrapped(layer: nn.Module, world_size: int) -> None:
+    """At a synchronized training call of ``layer`` among ``world_size`` ranks: warn, once per process,
+    if the call carries gradients and no module being called is a data-parallel wrapper."""
+    global _decided
+    if _decided or world_size <= 1 or not torch.is_grad_enabled():
+        return
+    if not any(p.requires_grad for p in layer.parameters(recurse=False)):
+        return  # a frozen layer or update_bn: no gradients to average, decide at a later call
+    _decided = True
+    if any(_data_parallel(module) for module in calling_modules()):
+        return
+    warnings.warn(
+        f"distsync: the synchronized layer {layer._sync_state.layer_name or type(layer).__name__} trains in "
+        f"a group of {world_size} ranks, but no data-parallel wrapper (DistributedDataParallel, FSDP, ...) "
+        "is calling the model: batch statistics are shared across ranks, parameter gradients are not "
+        "averaged, so every rank trains its own weights. Wrap the model in DistributedDataParallel (see "
+        "docs/recipes.md for accelerate and mmengine), or ignore this if you average gradients yourself.",
+        RuntimeWarning,
+        stacklevel=2,
+    )

@@ -1,0 +1,184 @@
+"""Every private torch (and Hydra) API distsync relies on, checked on the installed release.
+
+distsync keeps each one behind a function with a public fallback (``distsync/_torch_compat.py``) or a guard
+that falls back to torch's own behaviour (the launch agent). A release that renames or changes one of
+them then takes the fallback in a user's run, slower or less informative but never wrong, and fails the
+test named after it here, in CI, where it can be fixed before anyone notices.
+"""
+
+import ast
+import inspect
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+from distsync import _checkpointing, _launch_agent, _torch_compat
+from distsync.testing import run_world
+
+
+def test_torch_disable_dynamo_is_torch_compilers_lazy_disable():
+    assert callable(torch._disable_dynamo)  # _torch_compat.disable_dynamo
+    wrapped = _torch_compat.disable_dynamo(lambda x: x + 1)
+    assert wrapped(1) == 2
+
+
+def test_dynamo_assume_constant_result_only_sets_the_flag_distsync_sets():
+    import torch._dynamo
+
+    def probe():
+        return 0
+
+    def ours():
+        return 0
+
+    marked = torch._dynamo.assume_constant_result(probe)
+    flags = vars(_torch_compat.mark_constant_for_dynamo(ours))
+    assert vars(marked) == flags == {"_dynamo_marked_constant": True}
+
+
+def test_current_graph_task_id_tells_a_backward_pass():
+    assert callable(torch._C._current_graph_task_id)  # _torch_compat.graph_task_id
+    seen = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(_torch_compat.graph_task_id())
+            return grad
+
+    x = torch.ones(2, requires_grad=True)
+    assert _torch_compat.graph_task_id() == -1
+    Probe.apply(x).sum().backward()
+    assert seen[0] != -1
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_checkpoint_regions_are_found_from_the_frames_of_both_checkpoint_modes(reentrant):
+    """torch.utils.checkpoint's own frames: CheckpointFunction's forward/backward (ctx), checkpoint()'s
+    generator and the unpack hook (the non-reentrant frame object): _checkpointing finds the same region
+    in a forward and in its recomputation."""
+    seen = []
+
+    def region(x):
+        seen.append(_checkpointing.regions())
+        return x.sin()  # saves its input: recomputed in backward
+
+    x = torch.ones(3, requires_grad=True)
+    torch.utils.checkpoint.checkpoint(region, x, use_reentrant=reentrant).sum().backward()
+    forward, recomputation = seen
+    assert forward.replaying is None and len(forward.logging) == 1
+    assert recomputation.replaying is forward.logging[0]
+    assert _checkpointing.regions() is _checkpointing.OUTSIDE
+
+
+def test_autograd_engine_runs_callbacks_at_the_end_of_backward():
+    order = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: _torch_compat.at_end_of_backward(lambda: order.append("end")) or None)
+    (y * 3).sum().backward()
+    order.append("returned")
+    assert order == ["end", "returned"]
+
+
+def _join_count(rank, world_size):
+    from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+    class Probe(Joinable):
+        def __init__(self):
+            super().__init__()
+
+        def join_hook(self, **kwargs):
+            return JoinHook()
+
+        @property
+        def join_device(self):
+            return torch.device("cpu")
+
+        @property
+        def join_process_group(self):
+            return torch.distributed.group.WORLD
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    probe = Probe()
+    with Join([probe, model]):
+        work = Join.notify_join_context(probe)
+        _torch_compat.give_ddp_join_count(model, work)  # DDP's reducer takes the pending count
+        count = work.get_future().wait()[0].item()  # what the joinable reads
+        model(torch.ones(1, 2)).sum().backward()
+    return count
+
+
+def test_ddp_takes_the_join_count_and_the_count_is_readable():
+    assert run_world(_join_count, 2) == [2.0, 2.0]
+
+
+def _timeout(rank, world_size):
+    return _torch_compat.process_group_timeout(None)
+
+
+def test_process_group_backend_options_hold_the_timeout():
+    # ProcessGroup._get_backend(device).options._timeout: run_world's groups have a 60 s timeout
+    assert run_world(_timeout, 2) == [60.0, 60.0]
+    assert _torch_compat.process_group_timeout.__doc__
+
+
+def test_functional_all_reduce_is_what_the_compiled_path_calls():
+    from torch.distributed import _functional_collectives
+
+    parameters = inspect.signature(_functional_collectives.all_reduce).parameters
+    assert list(parameters)[:3] == ["self", "reduceOp", "group"]
+
+
+def _ignored(rank, world_size):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    _torch_compat.set_ddp_ignored(model, ["1.running_mean"])
+    assert _torch_compat.ddp_ignored(model) == ["1.running_mean"]
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    return sorted(ddp.parameters_to_ignore)
+
+
+def test_ddp_honours_the_ignore_list_the_lightning_plugin_sets():
+    assert run_world(_ignored, 2) == [["1.running_mean"], ["1.running_mean"]]
+
+
+def test_elastic_multiprocess_context_has_what_the_launch_agent_extends():
+    from torch.distributed.elastic.multiprocessing import api
+
+    assert _launch_agent.torch_supports_watching()
+    source = inspect.getsource(api)
+    for name in _launch_agent.PRIVATE_ATTRIBUTES:  # set by torch's contexts, read by the watching one
+        assert f"self.{name} =" in source or f"self.{name}: " in source, name
+    # the log record the agent shortens into one line: its format, hence the order of its arguments
+    calls = list(ast.walk(ast.parse(inspect.getsource(api.MultiprocessContext._poll).strip())))
+    formats = [c.args[0].value for c in calls if isinstance(c, ast.Call) and c.args and _is_text(c.args[0])]
+    assert any(f.startswith(_launch_agent.FAILED_WORKER_LOG) for f in formats), formats
+
+
+def _is_text(node) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+def test_profiler_event_types_that_allocations_reads():
+    from torch._C._profiler import _EventType
+
+    assert hasattr(_EventType, "Allocation")
+
+
+def test_fake_tensor_mode_and_fake_process_group_of_the_trace_tool():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert callable(FakeTensorMode) and callable(FakeStore)
+
+
+def test_hydra_argument_parser_that_the_training_command_reads():
+    from hydra._internal.utils import get_args_parser
+
+    args, _ = get_args_parser().parse_known_args(["--cfg", "job", "a=1"])
+    assert args.cfg == "job" and args.overrides == ["a=1"]
