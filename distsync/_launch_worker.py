@@ -14,15 +14,18 @@ import contextlib
 import copy
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import json
 import logging
 import os
 import pickle
+import runpy
 import signal
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -104,20 +107,67 @@ def main_is_importable() -> bool:
     return path is not None and os.path.isfile(path)
 
 
+@dataclasses.dataclass(frozen=True)
+class MainModule:
+    """How a worker imports the launching script (``__main__``) itself: by module name (``python -m``) or
+    by path; None for neither (``python -c``, a notebook: what it defines travels by value)."""
+
+    name: str | None
+    path: str | None
+
+    @classmethod
+    def of_this_process(cls) -> MainModule:
+        main = sys.modules.get("__main__")
+        name = getattr(getattr(main, "__spec__", None), "name", None)
+        path = getattr(main, "__file__", None)
+        return cls(name, path if path is not None and os.path.isfile(path) else None)
+
+
 @contextlib.contextmanager
-def main_file_hidden_if_absent() -> Iterator[None]:
-    """Hide ``__main__.__file__`` while workers start, if it names no file (``python - < script`` says
-    ``<stdin>``): multiprocessing would run that path again in every spawned worker, and fail there."""
+def main_import_deferred() -> Iterator[None]:
+    """While workers start, hide how ``__main__`` was loaded (its ``__spec__`` and ``__file__``), so that
+    ``multiprocessing`` does not import the launching script in a spawned or forkserver worker before the
+    worker's environment (``RANK``, ...) is set: :func:`import_main` imports it in the worker afterwards.
+    A forked worker keeps this process's ``__main__``, whose attributes :func:`import_main` gives back."""
     main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if path is None or main_is_importable():
+    if main is None:
         yield
         return
-    del main.__file__
+    hidden = {name: main.__dict__.pop(name) for name in ("__file__", "__spec__") if name in main.__dict__}
+    main.__distsync_hidden__ = hidden
+    if "__spec__" in hidden:
+        main.__spec__ = None
     try:
         yield
     finally:
-        main.__file__ = path
+        main.__dict__.pop("__distsync_hidden__", None)
+        main.__dict__.update(hidden)
+
+
+def import_main(main: MainModule) -> None:
+    """In a worker, with its environment set: the launching script as ``__main__`` (and ``__mp_main__``), as
+    ``multiprocessing`` would have imported it before (a forked worker already holds it)."""
+    current = sys.modules.get("__main__")
+    hidden = getattr(current, "__distsync_hidden__", None)
+    if hidden is not None:  # forked: this process's copy of the launching process's __main__
+        del current.__distsync_hidden__
+        current.__dict__.update(hidden)
+        return
+    loaded = sys.modules.get("__mp_main__")
+    if loaded is not None and loaded is not current and getattr(loaded, "__file__", None) == main.path:
+        sys.modules["__main__"] = loaded  # a fork server that imported it already
+        return
+    if main.name is not None and not (main.name == "__main__" or main.name.endswith(".__main__")):
+        module = types.ModuleType("__mp_main__")
+        sys.modules["__mp_main__"] = module
+        module.__dict__.update(runpy.run_module(main.name, run_name="__mp_main__", alter_sys=True))
+    elif main.path is not None:
+        module = types.ModuleType("__mp_main__")
+        sys.modules["__mp_main__"] = module
+        module.__dict__.update(runpy.run_path(main.path, run_name="__mp_main__"))
+    else:
+        return
+    sys.modules["__main__"] = sys.modules["__mp_main__"] = module
 
 
 def _by_reference(fn: Callable) -> Any:
@@ -140,10 +190,14 @@ def _by_reference(fn: Callable) -> Any:
 
 class WorkerSetup:
     """What a worker needs of the launching process: the Hydra job's hydra node (resolved), the log
-    directory, and the devices of the world (a :class:`~distsync.devices.DeviceSet`, or None)."""
+    directory, the devices of the world (a :class:`~distsync.devices.DeviceSet`, or None) and how to
+    import the launching script."""
 
     def __init__(self, hydra_cfg: Any, log_dir: str | None, devices: Any = None) -> None:
         self.hydra_cfg, self.log_dir, self.devices = hydra_cfg, log_dir, devices
+        self.main = MainModule.of_this_process()
+        self.start_method = "spawn"  # how the agent starts the workers (set by distsync.launch)
+        self.environ = dict(os.environ)  # the launching process's, now: a forked worker's may be older
 
     @classmethod
     def capture(cls, log_dir: str | os.PathLike | None, devices: Any = None) -> WorkerSetup:
@@ -152,7 +206,7 @@ class WorkerSetup:
             from hydra.core.hydra_config import HydraConfig
 
             if HydraConfig.initialized():
-                hydra_cfg = resolved_copy(HydraConfig.instance().cfg)
+                hydra_cfg = _resolved_hydra_config(HydraConfig.instance().cfg)
                 _plain_plugin_nodes(hydra_cfg.hydra)
                 if log_dir is None:
                     log_dir = os.path.join(hydra_cfg.hydra.runtime.output_dir, "logs")
@@ -180,6 +234,22 @@ def resolved_copy(node: Any) -> Any:
         OmegaConf.set_readonly(child, False)
     OmegaConf.resolve(node)
     return node
+
+
+def _resolved_hydra_config(masked: Any) -> Any:
+    """Hydra's config of the job (``HydraConfig.instance().cfg``: the hydra node alone), resolved inside the
+    config it was composed with, where its interpolations point (``hydra.run.dir: ${paths.log_dir}/...``,
+    ``${task_name}.log``): Hydra keeps that config as the node's parent; a copy of the node alone has lost
+    it. Masked to the hydra node again, as Hydra keeps it."""
+    from omegaconf import OmegaConf
+
+    try:  # OmegaConf's Node._get_parent (2.0 to 2.3): tests/test_private_apis.py checks it
+        composed = masked.hydra._get_parent()
+    except AttributeError:
+        composed = None
+    if composed is None or "hydra" not in composed:
+        composed = masked
+    return OmegaConf.masked_copy(resolved_copy(composed), "hydra")
 
 
 def _plain_plugin_nodes(hydra_node: Any) -> None:
@@ -251,6 +321,9 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
     interpreter down (:func:`_end_without_teardown`).
     """
     die_with_parent()  # an agent that is SIGKILLed cannot stop its workers
+    _launch_environment(setup.environ)
+    if setup.start_method != "spawn":
+        _exit_handlers_of_this_worker_only()
     # Registered first, so it runs last: after the exit handlers of whatever fn used (loggers that
     # flush at exit, for one), before the interpreter's teardown.
     atexit.register(_end_without_teardown)
@@ -260,6 +333,8 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
             from distsync.devices import pin_process
 
             pin_process(setup.devices)
+        _rank_zero_only_from_environment(rank)
+        import_main(setup.main)  # the launching script, imported now that RANK is set
         setup.restore(rank)
         fn, cfg = sent.unpack() if isinstance(sent, Pickled) else sent
         if isinstance(fn, _FunctionRef):
@@ -301,6 +376,63 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
         raise
     _exit_code[0] = 0
     return result
+
+
+# What torch's elastic agent sets for each worker (LocalElasticAgent._start_workers, and the error file of
+# its multiprocessing context): a worker keeps these; tests/test_private_apis.py compares with torch's.
+AGENT_VARIABLES = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "ROLE_NAME",
+        "LOCAL_WORLD_SIZE",
+        "WORLD_SIZE",
+        "GROUP_WORLD_SIZE",
+        "ROLE_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+        "OMP_NUM_THREADS",
+    }
+)
+
+
+def _launch_environment(launched: dict[str, str]) -> None:
+    """This worker's environment: the launching process's at the launch, with the agent's per-worker
+    variables. A spawned worker has it already; a worker forked from a fork server started earlier has the
+    environment of that moment instead (a run directory lock taken since, devices chosen since)."""
+    own = {k: v for k, v in os.environ.items() if k in AGENT_VARIABLES or k.startswith("TORCHELASTIC_")}
+    os.environ.clear()
+    os.environ.update(launched)
+    os.environ.update(own)
+
+
+def _exit_handlers_of_this_worker_only() -> None:
+    """A forked worker (``fork``, ``forkserver``) holds the exit handlers of the process it was forked from
+    (the launching process's, the fork server's), and ``multiprocessing`` ends it with ``os._exit``, which
+    runs none. Drop the inherited ones, and run this worker's own as ``multiprocessing`` ends the process
+    (its last finalizer), as a spawned worker's run at its exit. ``atexit._clear``/``_run_exitfuncs``:
+    CPython's, 3.x (tests/test_private_apis.py checks them)."""
+    import multiprocessing.util
+
+    if not (hasattr(atexit, "_clear") and hasattr(atexit, "_run_exitfuncs")):
+        return
+    atexit._clear()
+    multiprocessing.util.Finalize(None, atexit._run_exitfuncs, exitpriority=-1)
+
+
+def _rank_zero_only_from_environment(rank: int) -> None:
+    """Lightning's ``rank_zero_only.rank`` is read from the environment once, when Lightning is imported,
+    which may have happened before this worker's ``RANK`` was set (in the launching process, a fork server):
+    set it to this rank, so that rank-zero-only code (loggers, Hydra templates' ``extras``) runs on rank 0
+    alone from the start. Lightning sets it again once its strategy is up."""
+    if importlib.util.find_spec("lightning_utilities") is None:
+        return
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    rank_zero_only.rank = rank
 
 
 def _tell_agent(why: str, *, rank: int | None = None, retry: bool = True) -> None:

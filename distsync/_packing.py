@@ -110,6 +110,7 @@ def _job_process(job: Callable[[DeviceSet], Any], slot: DeviceSet, writer: Conne
     """The job process: its own process group, dies with the launcher, runs the job, sends how it ended."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+    _forget_the_launchers_fork_server()
     for signum in _STOP_SIGNALS:  # until the job's agent installs its own handlers
         signal.signal(signum, _exit_on_signal)
     _terminated_with_launcher()
@@ -122,6 +123,21 @@ def _job_process(job: Callable[[DeviceSet], Any], slot: DeviceSet, writer: Conne
         outcome = ("error", error)
     writer.send_bytes(_dumps(outcome))
     writer.close()
+
+
+def _forget_the_launchers_fork_server() -> None:
+    """A fork server the launcher started is the launcher's child: ``multiprocessing`` in this forked job
+    process would fail to check on it (``waitpid``: "No child processes"). Forget it (closing this copy of
+    its lifeline), so that the job's agent starts a server of its own. ``multiprocessing.forkserver``'s
+    private state, 3.10 to 3.13: tests/test_private_apis.py checks it."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None or getattr(server, "_forkserver_pid", None) is None:
+        return
+    with contextlib.suppress(OSError, TypeError):
+        os.close(server._forkserver_alive_fd)
+    server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
 
 
 def _terminated_with_launcher() -> None:

@@ -39,18 +39,21 @@ _library: torch.library.Library | None = None  # kept alive: a collected Library
 
 
 def _extension_loads(package_dir: Path) -> bool:
-    """Whether torchvision's ``_C`` extension loads here (what ``torchvision.extension`` will try first)."""
+    """Whether torchvision's compiled extension loads here (what ``torchvision.extension`` will try first):
+    ``_C`` up to torchvision 0.28, ``_C_stable`` from 0.29."""
     finder = importlib.machinery.FileFinder(
         str(package_dir), (importlib.machinery.ExtensionFileLoader, importlib.machinery.EXTENSION_SUFFIXES)
     )
-    spec = finder.find_spec("_C")
-    if spec is None or spec.origin is None:
-        return False
-    try:
-        torch.ops.load_library(spec.origin)
-    except OSError:
-        return False
-    return True
+    for name in ("_C_stable", "_C"):
+        spec = finder.find_spec(name)
+        if spec is None or spec.origin is None:
+            continue
+        try:
+            torch.ops.load_library(spec.origin)
+        except OSError:
+            return False
+        return True
+    return False
 
 
 def ensure_importable() -> bool:

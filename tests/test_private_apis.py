@@ -8,6 +8,7 @@ test named after it here, in CI, where it can be fixed before anyone notices.
 
 import ast
 import inspect
+import textwrap
 
 import pytest
 import torch
@@ -182,3 +183,44 @@ def test_hydra_argument_parser_that_the_training_command_reads():
 
     args, _ = get_args_parser().parse_known_args(["--cfg", "job", "a=1"])
     assert args.cfg == "job" and args.overrides == ["a=1"]
+
+
+def test_the_agent_variables_a_worker_keeps_are_those_torchs_agent_sets():
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+
+    from distsync._launch_worker import AGENT_VARIABLES
+
+    source = inspect.getsource(local_elastic_agent.LocalElasticAgent._start_workers)
+    tree = ast.parse(textwrap.dedent(source))
+    keys = {
+        key.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Dict)
+        for key in node.keys
+        if _is_text(key) and key.value.isupper()
+    }
+    assert {k for k in keys if not k.startswith("TORCHELASTIC_")} <= AGENT_VARIABLES, keys
+
+
+def test_omegaconf_keeps_the_composed_config_as_the_hydra_nodes_parent():
+    from omegaconf import OmegaConf
+
+    hydra_node = {"run": {"dir": "${paths.log_dir}/x"}}
+    composed = OmegaConf.create({"paths": {"log_dir": "/logs"}, "hydra": hydra_node})
+    masked = OmegaConf.masked_copy(composed, "hydra")
+    masked.hydra._set_parent(composed)  # what HydraConfig.set_config does
+    assert masked.hydra._get_parent() is composed  # what the launcher resolves the hydra node in
+
+
+def test_cpython_exit_handler_functions_a_forked_worker_runs():
+    import atexit
+
+    assert callable(atexit._clear) and callable(atexit._run_exitfuncs)
+
+
+def test_multiprocessing_fork_server_state_a_packed_job_forgets():
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    for name in ("_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd"):
+        assert hasattr(server, name), name

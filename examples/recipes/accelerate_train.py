@@ -5,8 +5,10 @@ launch --multi_gpu``), ``Accelerator`` wraps the model in DDP, distsync synchron
     accelerate launch --multi_gpu --num_processes=2 examples/recipes/accelerate_train.py  # one GPU each
 
 ``accelerate launch --cpu --num_processes=2`` starts a single process, so on CPUs start the ranks with
-torchrun and pass ``cpu=True``: the Accelerator then joins their gloo world. Convert before ``prepare``, so
-that the DDP model accelerate builds holds the synchronized layers.
+torchrun and pass ``cpu=True``: the Accelerator then joins their world. ``distsync.init_distributed()``
+makes that world first (nccl and this rank's GPU, or gloo on CPUs), which accelerate adopts, and keeps a
+gloo group alive until the process ends, so the script ends cleanly. Convert before ``prepare``, so that
+the DDP model accelerate builds holds the synchronized layers.
 """
 
 import json
@@ -20,6 +22,7 @@ import distsync
 
 
 def main() -> None:
+    distsync.init_distributed()
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(0)
     body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1))

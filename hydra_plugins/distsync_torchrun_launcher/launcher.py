@@ -50,7 +50,7 @@ class TorchrunLauncherConf:
     standalone: Optional[bool] = None  # noqa: UP045
     max_restarts: int = 0
     monitor_interval: float = 0.1
-    start_method: str = "spawn"
+    start_method: str = "forkserver"  # or "spawn", "fork": see distsync.launch
     log_dir: Optional[str] = None  # noqa: UP045  (default: <job dir>/logs)
     n_jobs: Any = 1  # jobs of a batch running at once, each on its own devices: an int, or "auto"
 
@@ -77,6 +77,10 @@ class TorchrunLauncher(Launcher):
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
+        if self.options.get("start_method", "forkserver") == "forkserver" and self.options.get("n_jobs") == 1:
+            from distsync.elastic import start_fork_server
+
+            start_fork_server()  # its imports overlap the sweep's setup (a packed job starts its own)
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
