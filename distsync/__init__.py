@@ -15,6 +15,7 @@ from .join import joinable
 from .parallel import *  # noqa: E402, F403
 from .parallel import __all__ as _shim_names  # noqa: E402
 from .precise_bn import update_bn
+from .tuning import report, should_prune
 
 __all__ = [
     "BatchNormNd",
@@ -35,7 +36,9 @@ __all__ = [
     "launch",
     "name_layers",
     "no_buffer_broadcast",
+    "report",
     "revert_sync_batchnorm",
+    "should_prune",
     "update_bn",
     *_shim_names,
 ]

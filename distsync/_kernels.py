@@ -75,7 +75,8 @@ class Normalized(NamedTuple):
     eps: float  # the eps backward uses
 
 
-def _as(tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+def cast_if_needed(tensor: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``tensor`` in ``dtype``, itself when it already is (or is None): no copy on the common path."""
     return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
@@ -110,7 +111,7 @@ class CudaKernels:
         kept = ((stats[1] >= eps).to(dtype),) if clip else ()  # channels whose variance is not clipped
         invstd = (stats[1].clamp_min_(eps) if clip else stats[1].add_(eps)).rsqrt_()
         output = cls.ops.batch_norm_elemt(
-            local.z, _as(weight, dtype), _as(bias, dtype), stats[0], invstd, eps
+            local.z, cast_if_needed(weight, dtype), cast_if_needed(bias, dtype), stats[0], invstd, eps
         )
         return Normalized(output, (stats[0], invstd, *kept), (stats[0], stats[2]), eps)
 
@@ -122,7 +123,14 @@ class CudaKernels:
         # batch_norm_backward_reduce_cuda: mean and invstd of one dtype (TORCH_CHECK); the weight
         # gradient is allocated from the weight's options, so it is only asked for with a weight.
         sum_dy, sum_dy_xmu, grad_weight, grad_bias = cls.ops.batch_norm_backward_reduce(
-            dy, z, mean, invstd, _as(weight, mean.dtype), True, need_weight and weight is not None, need_bias
+            dy,
+            z,
+            mean,
+            invstd,
+            cast_if_needed(weight, mean.dtype),
+            True,
+            need_weight and weight is not None,
+            need_bias,
         )
         return sum_dy, sum_dy_xmu, grad_weight, grad_bias
 
@@ -137,7 +145,7 @@ class CudaKernels:
         # batch_norm_backward_elemt_cuda: `count` is read as int32 (count.data_ptr<int>()) and summed on
         # the device; the weight is read as the stat type once mean is float32 for half inputs.
         return cls.ops.batch_norm_backward_elemt(
-            dy, z, mean, invstd, _as(weight, mean.dtype), sums[0], sums[1], count.to(torch.int32)
+            dy, z, mean, invstd, cast_if_needed(weight, mean.dtype), sums[0], sums[1], count.to(torch.int32)
         )
 
     @staticmethod
@@ -188,7 +196,9 @@ class CpuKernels:
             scale = scale * weight
         scale, mean, var = torch.stack([scale, mean, var]).to(dtype).unbind()
         zeros = torch.zeros_like(mean)
-        output = torch.batch_norm(local.z, scale, _as(bias, dtype), mean, zeros, False, 0.0, 1.0, False)
+        output = torch.batch_norm(
+            local.z, scale, cast_if_needed(bias, dtype), mean, zeros, False, 0.0, 1.0, False
+        )
         kept = ((biased >= eps).to(dtype),) if clip else ()
         return Normalized(output, (mean, var, *kept), (global_mean, unbiased), eps_used)
 
@@ -205,7 +215,7 @@ class CpuKernels:
         mean, var = saved[:2]
         scale = (var + eps).rsqrt()
         if weight is not None:
-            scale = scale * _as(weight, scale.dtype)
+            scale = scale * cast_if_needed(weight, scale.dtype)
         coefficients = (reduced / -count).to(scale.dtype) * scale
         if len(saved) > 2:  # clipped variance: no gradient through it in clipped channels
             coefficients[1].mul_(saved[2])

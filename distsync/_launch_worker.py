@@ -30,10 +30,17 @@ from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from distsync.elastic import NonRetryableError
 from distsync.lifeline import die_with_parent
 
 _PEER_FAILURE_GRACE_S = 1.0  # a failed worker waits this long before it exits (see run_rank)
+
+
+class NonRetryableError(RuntimeError):
+    """Raised by ``fn`` on every rank for a failure that restarting the world would only repeat (a bad
+    config found while building the model): :func:`~distsync.elastic.launch` stops the world at once,
+    without using a restart, and raises :class:`~distsync.elastic.LaunchError` with this message. Under an
+    external ``torchrun`` it is an ordinary failure: torchrun's agent restarts on any failure. Defined on the
+    workers' side, where it is raised; exported as ``distsync.NonRetryableError``."""
 
 
 # ------------------------------------------------------------------------------------------ fn and cfg

@@ -64,37 +64,68 @@ def run_packed(
     after SIGINT/SIGTERM stopped the running jobs (none starts after it), and ``SystemExit(code)`` once
     every job ended if a job process exited with a non-zero code of its own (no job starts after it).
     """
+    pending = collections.deque(enumerate(jobs))
+    ended: list[Ended | None] = [None] * len(jobs)
+
+    def next_job() -> tuple[int, Callable[[DeviceSet], Any]] | None:
+        return pending.popleft() if pending else None
+
+    def finished(k: int, how: Ended) -> None:
+        ended[k] = how
+
+    run_as_slots_free(next_job, slots, started, finished)
+    return ended  # type: ignore[return-value]
+
+
+def run_as_slots_free(
+    next_job: Callable[[], tuple[int, Callable[[DeviceSet], Any]] | None],
+    slots: Sequence[DeviceSet],
+    started: Callable[[int, DeviceSet], None] = lambda k, slot: None,
+    finished: Callable[[int, Ended], None] = lambda k, how: None,
+) -> None:
+    """Whenever a slot is free, ask ``next_job()`` for ``(k, job)`` (None: no more jobs now) and run
+    ``job(slot)`` in a forked process on that slot; ``finished(k, how)`` as each job ends, in the order
+    they end. So jobs start the moment a slot frees, and what the next job is may depend on how the ones
+    before ended (an asynchronous sweep). Returns once no job runs and ``next_job()`` has none; signals
+    and exit codes as :func:`run_packed`.
+    """
     if not slots:
         raise ValueError("run_packed needs at least one slot")
     forking = multiprocessing.get_context("fork")
-    ended: list[Ended | None] = [None] * len(jobs)
-    pending = collections.deque(range(len(jobs)))
     free = list(slots)
     running: dict[Connection, tuple[int, multiprocessing.process.BaseProcess, DeviceSet]] = {}
     exit_code = 0
+    exhausted = False
     with _stop_on_signals(lambda: [proc for _, proc, _ in running.values()]) as stop:
-        while running or (pending and not stop.signum and not exit_code):
-            while pending and free and not stop.signum and not exit_code:
-                k, slot = pending.popleft(), free.pop(0)
+        while True:
+            while free and not exhausted and not stop.signum and not exit_code:
+                job = next_job()
+                if job is None:
+                    exhausted = not running  # none now; a job that ends may make more (asked again then)
+                    break
+                k, fn = job
+                slot = free.pop(0)
                 reader, writer = forking.Pipe(duplex=False)
-                proc = forking.Process(target=_job_process, args=(jobs[k], slot, writer), name=f"job-{k}")
+                proc = forking.Process(target=_job_process, args=(fn, slot, writer), name=f"job-{k}")
                 started(k, slot)
                 proc.start()
                 writer.close()
                 running[reader] = (k, proc, slot)
                 stop.reach(proc)  # a signal that came while it was starting
+            if not running:
+                break
             for reader in wait(list(running)):
                 k, proc, slot = running.pop(reader)  # type: ignore[call-overload]
-                ended[k] = _collect(reader, proc)  # type: ignore[arg-type]
-                exit_code = exit_code or ended[k].exit_code  # type: ignore[union-attr]
+                how = _collect(reader, proc)  # type: ignore[arg-type]
+                exit_code = exit_code or how.exit_code
                 free.insert(_slot_order(slots, free, slot), slot)
+                finished(k, how)
     if stop.signum:
         name = signal.Signals(stop.signum).name
         print(f"hydra/launcher=torchrun: stopped by {name}; every running job was stopped", file=sys.stderr)
         raise SystemExit(128 + stop.signum)
     if exit_code:
         raise SystemExit(exit_code)
-    return ended  # type: ignore[return-value]
 
 
 def _slot_order(slots: Sequence[DeviceSet], free: list[DeviceSet], slot: DeviceSet) -> int:

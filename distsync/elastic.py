@@ -26,6 +26,8 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+from ._launch_worker import NonRetryableError
+
 if TYPE_CHECKING:
     from .devices import DeviceSet
 
@@ -63,13 +65,6 @@ class LaunchError(RuntimeError):
     def __init__(self, message: str, failures: dict[int, tuple[int, str]] | None = None) -> None:
         super().__init__(message)
         self.failures = failures or {}
-
-
-class NonRetryableError(RuntimeError):
-    """Raised by ``fn`` on every rank for a failure that restarting the world would only repeat (a bad
-    config found while building the model): :func:`launch` stops the world at once, without using a
-    restart, and raises :class:`LaunchError` with this message. Under an external ``torchrun`` it is an
-    ordinary failure: torchrun's agent restarts on any failure."""
 
 
 def under_elastic_agent() -> bool:

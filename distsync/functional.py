@@ -10,7 +10,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _checkpointing, _health, _moments
 from ._identity import BACKWARD, COUNT, FORWARD, CallTag, SyncState, failed_row
-from ._kernels import _as, kernels_for
+from ._kernels import cast_if_needed, kernels_for
 from ._transport import Call, Reducer
 from .errors import SyncError
 
@@ -181,8 +181,8 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if need_input:
             reduced = _sync_backward(ctx, first, second)
             grad_input = kernels.grad_input(dy, z, saved, weight, reduced, count, ctx.eps)
-        grad_weight = _as(grad_weight, ctx.param_dtype) if need_weight else None
-        grad_bias = _as(grad_bias, ctx.param_dtype) if need_bias else None
+        grad_weight = cast_if_needed(grad_weight, ctx.param_dtype) if need_weight else None
+        grad_bias = cast_if_needed(grad_bias, ctx.param_dtype) if need_bias else None
         return grad_input, grad_weight, grad_bias, *nones
 
 

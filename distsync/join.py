@@ -130,6 +130,7 @@ class _SyncedLayersJoinable(Joinable):
                 state.resolve(layer, layer.num_features)
             state.join = self._reducer
         self._by_identity = {layer._sync_state.identity: layer for layer in reversed(self._layers)}
+
         def new_step(module, args):
             self._new_step(module, args)
 

@@ -31,6 +31,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_AFTER_A_FAILURE = 30.0  # seconds the other ranks get to finish once one has raised
+
+
 def _context() -> Any:
     """Where the worlds' processes come from: forked from a server that has imported torch once (a world
     starts in well under a second rather than in two), else spawned where there is no forkserver."""
@@ -66,6 +69,10 @@ def _entry(
     except BaseException:  # report everything, the parent decides
         results.put((rank, False, traceback.format_exc()))
     finally:
+        # The queue's feeder thread sends the result; flush it before the teardown, which can block without
+        # releasing the GIL once a peer has exited (seen on torch 2.4), and would then hold the result back.
+        results.close()
+        results.join_thread()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -89,6 +96,7 @@ def run_world(
         proc.start()
     outcome: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout
+    failed_at = None
     try:
         while len(outcome) < world_size:
             try:
@@ -99,19 +107,29 @@ def run_world(
                 pass
             missing = sorted(set(range(world_size)) - set(outcome))
             dead = [r for r in missing if procs[r].exitcode not in (None, 0)]
+            if _failures(outcome) and failed_at is None:  # its peers may now wait for it forever
+                failed_at, deadline = time.monotonic(), min(deadline, time.monotonic() + _AFTER_A_FAILURE)
             if dead or time.monotonic() > deadline:
                 why = f"died (exit codes {[procs[r].exitcode for r in dead]})" if dead else "hung"
-                raise WorkerFailed(f"ranks {dead or missing} {why} without a result")
+                raise WorkerFailed(f"ranks {dead or missing} {why} without a result{_failures(outcome)}")
     finally:
         for proc in procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    failures = {rank: value for rank, (ok, value) in outcome.items() if not ok}
+    failures = _failures(outcome)
     if failures:
-        report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failures.items()))
-        raise WorkerFailed(f"{len(failures)} rank(s) failed:\n{report}")
+        raise WorkerFailed(failures.lstrip())
     return [torch.load(io.BytesIO(outcome[rank][1]), weights_only=False) for rank in range(world_size)]
+
+
+def _failures(outcome: dict[int, tuple[bool, Any]]) -> str:
+    """The tracebacks of the ranks that raised (a peer's hang often follows from them), or ''."""
+    failed = {rank: value for rank, (ok, value) in outcome.items() if not ok}
+    if not failed:
+        return ""
+    report = "\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in sorted(failed.items()))
+    return f"\n{len(failed)} rank(s) failed:\n{report}"
 
 
 def run_threads(

@@ -13,7 +13,9 @@ from distsync.devices import DeviceSet
 
 
 def wait_for_a_signal(k: int, out: Path, slot: DeviceSet) -> int:
-    (out / f"started-{k}").write_text(str(os.getpid()))
+    pending = out / f".starting-{k}"  # renamed once written, so a reader never sees an empty file
+    pending.write_text(str(os.getpid()))
+    pending.rename(out / f"started-{k}")
     time.sleep(120)
     return k
 

@@ -284,12 +284,12 @@ def test_example_sweep_through_the_plugin(app):
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="packs two jobs on two cores at least")
 def test_example_optuna_sweep_packs_its_batches_and_gets_rank_zeros_value(app):
-    """Optuna hands the launcher batches of hydra.sweeper.n_jobs=2 trials: the two run at once, each a
-    2-rank world on cores of its own, and Optuna sees each world's rank 0 value."""
+    """distsync's Optuna sweeper runs hydra.sweeper.n_jobs=2 trials at once through the packed launcher,
+    each a 2-rank world on cores of its own, and Optuna sees each world's rank 0 value."""
     proc = _run_app(
         app,
         "-m",
-        "hydra/sweeper=optuna",
+        "hydra/sweeper=distsync_optuna",
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.n_jobs=2",
         "hydra.sweeper.direction=maximize",
@@ -300,7 +300,7 @@ def test_example_optuna_sweep_packs_its_batches_and_gets_rank_zeros_value(app):
     )
     assert proc.returncode == 0
     assert "setup plugin alembic" not in proc.stdout + proc.stderr  # optuna's import, quieted in the config
-    assert proc.stdout.count("2 at a time, each on its own cores") == 1  # one batch of both trials
+    assert proc.stdout.count("as 2 slots free, each a torchrun world on its own cores") == 1
     jobs = _job_dirs(app / "multirun")
     assert len(jobs) == 2
     cores = [set(_check_job(job)["cores"]) for job in jobs]

@@ -1,4 +1,4 @@
-"""Hydra sweeper plugins driving launch/train.py: the Optuna sweeper optimizes the metric a job returns."""
+"""Hydra sweeper plugins driving launch/train.py: distsync_optuna optimizes the metric a job returns."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import yaml
 from launching import FAST, ROOT, SCRIPT, run_job
 
-pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")  # pip install -e ".[optuna]" (in ".[test]")
+pytest.importorskip("optuna")  # pip install -e ".[optuna]" (in ".[test]")
 
 
 def _override(job: Path, key: str) -> str:
@@ -25,7 +25,7 @@ def test_optuna_sweeper_maximizes_the_returned_metric(tmp_path):
     sweep = tmp_path / "sweep"
     args = [
         "-m",
-        "hydra/sweeper=optuna",
+        "hydra/sweeper=distsync_optuna",
         "hydra.sweeper.n_trials=2",
         "hydra.sweeper.n_jobs=1",
         "hydra.sweeper.direction=maximize",  # trainer.metric=accuracy (the default) is returned
@@ -49,17 +49,30 @@ def test_optuna_sweeper_maximizes_the_returned_metric(tmp_path):
     assert results["best_value"] == pytest.approx(summaries[best_job.name]["accuracy"], rel=1e-12)
     if summaries["0"]["accuracy"] != summaries["1"]["accuracy"]:  # a tie leaves either lr the best
         assert results["best_params"]["optim.lr"] == pytest.approx(float(_override(best_job, "optim.lr")))
-    assert "Best value" in proc.stdout + proc.stderr
+    assert "Best trial" in proc.stdout + proc.stderr
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # SQLAlchemy 1.4's notes about 2.0
-def test_optuna_study_storage_works_with_the_pinned_sqlalchemy(tmp_path):
-    """hydra.sweeper.storage=sqlite:///... needs optuna 2.x's RDB storage, which SQLAlchemy 2 breaks."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
-    study = optuna.create_study(storage=storage, study_name="lr", direction="maximize")
-    study.optimize(lambda trial: -((trial.suggest_float("lr", 0.01, 0.2) - 0.1) ** 2), n_trials=2)
-    again = optuna.load_study(study_name="lr", storage=storage)  # what a resumed sweep does
-    assert len(again.trials) == 2 and again.best_value == study.best_value
+@pytest.mark.slow
+def test_the_packaged_job_reports_its_evaluations_and_stops_when_pruned(tmp_path):
+    """Every evaluation reports trainer.metric to the study; a trial its pruner stops ends at that step on
+    every rank, is marked pruned in the study, the job's summary and the sweep's summary."""
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m",
+        "hydra/sweeper=distsync_optuna",
+        "hydra/sweeper/pruner=threshold",
+        "hydra.sweeper.pruner.lower=2.0",  # no accuracy is above 2: pruned at the first evaluation
+        "hydra.sweeper.n_trials=1",
+        "hydra.sweeper.direction=maximize",
+        "optim.lr=interval(0.01,0.2)",
+        f"hydra.sweep.dir={sweep}",
+        "trainer.max_steps=40",
+        *FAST,  # evaluations every 10 steps
+    ]
+    proc = run_job([sys.executable, str(SCRIPT), *args], ROOT)
+    assert proc.returncode == 0
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    assert summary["pruned_at_step"] == 10 and summary["steps"] == 10
+    assert yaml.safe_load((sweep / "0" / "trial.yaml").read_text())["state"] == "PRUNED"
+    assert "pruned at step 10" in (sweep / "sweep_summary.md").read_text()
+    assert "**pruned** at step 10" in (sweep / "optuna_trials.md").read_text()

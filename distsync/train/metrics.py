@@ -92,7 +92,8 @@ _MARKERS_UP_TO = 30
 """Curves with at most this many points get a marker on each point."""
 
 
-def _series(rows: list[dict], key: str, scale: float = 1.0):
+def finite_series(rows: list[dict], key: str, scale: float = 1.0) -> tuple[list, list]:
+    """The steps and ``scale``-d values of ``key`` in ``rows``, leaving out rows without a finite value."""
     points = [(r["step"], r.get(key)) for r in rows if isinstance(r.get(key), (int, float))]
     points = [(s, v * scale) for s, v in points if math.isfinite(v)]
     return [s for s, _ in points], [v for _, v in points]
@@ -170,14 +171,14 @@ def curves_figure(rows: list[dict], title: str = ""):
         marker = "o" if len(steps) <= _MARKERS_UP_TO else None
         ax.plot(steps, values, marker=marker, markersize=4, **kwargs)
 
-    loss_steps, losses = _series(train, "loss")
-    eval_steps, eval_losses = _series(evals, "eval_loss")
+    loss_steps, losses = finite_series(train, "loss")
+    eval_steps, eval_losses = finite_series(evals, "eval_loss")
     plot(ax_loss, loss_steps, losses, label="train")
     plot(ax_loss, eval_steps, eval_losses, label="held-out")
     loss_axis(ax_loss, losses + eval_losses)
     ax_loss.set(xlabel="step", title="loss")
     ax_loss.legend()
-    acc_steps, accuracies = _series(evals, "accuracy", scale=100.0)
+    acc_steps, accuracies = finite_series(evals, "accuracy", scale=100.0)
     plot(ax_acc, acc_steps, accuracies, color="tab:green")
     ax_acc.set(xlabel="step", ylabel="%", title="held-out accuracy")
     # At least ACCURACY_SPAN points tall: a sample or two of difference must not look like a cliff.

@@ -121,7 +121,7 @@ def train_streaming(trainer: Trainer, bar) -> None:
     layers = distsync.joinable(trainer.ddp) if is_distributed() else None  # on every rank, before a step
     loss_sum = torch.zeros(2, dtype=torch.float64, device=trainer.device)  # sum of losses, count
     trainer.ddp.train()
-    while trainer.step < t.max_steps:
+    while trainer.step < t.max_steps and trainer.pruned_at is None:
         start = trainer.step
         losses = _one_pass(trainer, layers, bar)
         for _, loss in losses:
@@ -186,7 +186,7 @@ def _at_boundary(trainer: Trainer, start: int, loss_sum: Tensor, bar) -> None:
     if due(t.log_every) or step == t.max_steps:
         trainer._log_train(loss_sum, bar)  # the mean loss of every rank's steps since the last log
         loss_sum.zero_()
-    if due(t.eval_every) and step < t.max_steps:
-        trainer._evaluate()
+    if due(t.eval_every) and step < t.max_steps and trainer.pruned(trainer._evaluate()):
+        return
     if due(t.checkpoint_every) or step == t.max_steps:
         trainer._checkpoint()

@@ -20,7 +20,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 
-from .metrics import MetricsLog, _series, loss_axis, write_json_atomic, write_text_atomic
+from .metrics import MetricsLog, finite_series, loss_axis, write_json_atomic, write_text_atomic
 from .rundir import LOCK_NAME
 
 __all__ = ["SweepSummary", "summarize_sweep"]
@@ -83,12 +83,15 @@ def _job_sort_key(job: Path) -> tuple:
 
 def _job_row(sweep: Path, job: Path) -> dict:
     overrides = [str(o) for o in yaml.safe_load((job / ".hydra" / "overrides.yaml").read_text()) or []]
+    overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]  # a sweeper's own
     row: dict[str, Any] = {"job": str(job.relative_to(sweep)), "overrides": overrides}
     try:
         summary = json.loads((job / "summary.json").read_text())
     except (OSError, ValueError):
         return row | {"status": "running" if _running(job) else "failed"}
-    return row | {"status": "done"} | {key: summary.get(key) for key in _METRICS}
+    pruned = summary.get("pruned_at_step")
+    status = "done" if pruned is None else f"pruned at step {pruned}"
+    return row | {"status": status} | {key: summary.get(key) for key in _METRICS}
 
 
 def _running(job: Path) -> bool:
@@ -137,8 +140,8 @@ def _plot(sweep: Path, jobs: list[Path], labels: list[str]) -> None:
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
     for job, label in zip(jobs, labels, strict=True):
         rows = MetricsLog(job / "metrics.jsonl", enabled=False).rows()
-        train = _series([r for r in rows if r.get("kind") == "train"], "loss")
-        evals = _series([r for r in rows if r.get("kind") == "eval"], "accuracy", scale=100.0)
+        train = finite_series([r for r in rows if r.get("kind") == "train"], "loss")
+        evals = finite_series([r for r in rows if r.get("kind") == "eval"], "accuracy", scale=100.0)
         if train[0]:
             ax_loss.plot(*train, label=label)
         if evals[0]:

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import distsync
+from distsync._launch_worker import NonRetryableError
 from distsync.distributed import get_rank, get_world_size, is_distributed, no_buffer_broadcast
-from distsync.elastic import NonRetryableError
 
 from .build import building
 from .checkpoint import remove_stale_temporaries
@@ -87,6 +87,7 @@ class Trainer:
 
         self.metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=self.rank == 0)
         self.step, self.resumed_from = 0, None
+        self.pruned_at: int | None = None  # the step at which a distsync_optuna sweep pruned this trial
         # This rank's training losses of the last FINAL_LOSS_STEPS steps (for final_loss).
         self.recent_losses = torch.full((FINAL_LOSS_STEPS,), math.nan, dtype=torch.float64, device=device)
         self.seconds_before = 0.0  # of the attempts up to the checkpoint resumed from
@@ -219,8 +220,8 @@ class Trainer:
             if self.step % t.log_every == 0 or self.step == t.max_steps:
                 self._log_train(loss_sum, bar)
                 loss_sum.zero_()
-            if self.step % t.eval_every == 0 and self.step < t.max_steps:
-                self._evaluate()
+            if self.step % t.eval_every == 0 and self.step < t.max_steps and self.pruned(self._evaluate()):
+                break
             if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
                 self._checkpoint()
             _test_kill_hook(self.step, self.rank, self.restarts)
@@ -282,6 +283,17 @@ class Trainer:
         self.log.info("step %d: held-out %s", self.step, ", ".join(f"{k} {v:.4f}" for k, v in row.items()))
         return row
 
+    def pruned(self, held_out: dict[str, float]) -> bool:
+        """Report this evaluation's ``trainer.metric`` to the study of a ``distsync_optuna`` sweep (a no-op
+        otherwise) and whether its pruner stops the trial here: the same answer on every rank."""
+        metric = self.cfg.trainer.metric
+        distsync.report(self.step, held_out[metric] if metric in held_out else self._final_loss())
+        if not distsync.should_prune():
+            return False
+        self.pruned_at = self.step
+        self.log.info("step %d: the trial is pruned (the study's pruner stops it here)", self.step)
+        return True
+
     def _laid_out(self, images: torch.Tensor) -> torch.Tensor:
         """Model inputs in the configured memory format."""
         if self.cfg.trainer.channels_last and images.dim() == 4:
@@ -339,6 +351,7 @@ class Trainer:
             "backend": dist.get_backend() if is_distributed() else None,
             "comm_hook": self.cfg.trainer.comm_hook,
             "local_sgd_period": self.cfg.trainer.local_sgd_period,
+            "pruned_at_step": self.pruned_at,
         }
         if self.rank == 0:
             self._save_inference_model()

@@ -20,8 +20,10 @@ in this process, on every device, as before.
 # dataclasses cannot resolve string annotations, and OmegaConf reads these types (hence ``Optional``).
 
 import functools
+import itertools
 import logging
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -104,6 +106,59 @@ class TorchrunLauncher(Launcher):
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return runs
 
+    def launch_as_slots_free(
+        self,
+        next_overrides: Callable[[], Optional[Sequence[str]]],  # noqa: UP045
+        finished: Callable[[int, JobReturn], None],
+        initial_job_idx: int,
+        max_jobs: int,
+    ) -> None:
+        """Run jobs as long as ``next_overrides()`` gives some: each starts the moment a slot (its GPUs or
+        cores) is free, and ``finished(idx, job_return)`` is called as each ends, in the order they end.
+        For asynchronous sweepers (``hydra/sweeper=distsync_optuna``); ``max_jobs`` bounds how many jobs
+        there can be, for the split of the devices. With ``n_jobs=1`` the jobs run one after the other here.
+        """
+        assert self.config is not None and self.hydra_context is not None and self.task_function is not None
+        from distsync.elastic import check_options
+
+        try:
+            check_options(**self._options_for(initial_job_idx))
+            slots = self._slots(max_jobs)
+        except ValueError as error:
+            raise ConfigCompositionException(f"hydra.launcher: {error}") from None
+        setup_globals()
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        counter = itertools.count(initial_job_idx)
+        if slots is None:
+            while (overrides := next_overrides()) is not None:
+                idx = next(counter)
+                log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
+                finished(idx, self._run_job(idx, self._sweep_config(idx, overrides), None))
+                configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+            return
+        from distsync._packing import run_as_slots_free
+
+        where = "GPUs" if slots[0].kind == "cuda" else "cores"
+        log.info(f"Launching jobs as {len(slots)} slots free, each a torchrun world on its own {where}")
+        launched: dict[int, Sequence[str]] = {}
+
+        def next_job():
+            overrides = next_overrides()
+            if overrides is None:
+                return None
+            idx = next(counter)
+            launched[idx] = overrides
+            return idx, functools.partial(self._run_job, idx, self._sweep_config(idx, overrides))
+
+        def started(idx: int, slot) -> None:
+            log.info(f"\t#{idx} : {' '.join(filter_overrides(launched[idx]))} on {slot}")
+
+        def ended(idx: int, how) -> None:
+            finished(idx, _job_return(launched.pop(idx), how))
+
+        run_as_slots_free(next_job, slots, started, ended)
+
     def _sweep_config(self, idx: int, overrides) -> DictConfig:
         assert self.config is not None and self.hydra_context is not None
         sweep_config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
@@ -175,15 +230,7 @@ class TorchrunLauncher(Launcher):
             slots,
             started,
         )
-        returns = []
-        for (_, overrides), end in zip(jobs, ended, strict=True):
-            if isinstance(end.value, JobReturn):
-                returns.append(end.value)
-            else:  # the job's process failed outside its task (or died): the job failed
-                returns.append(
-                    JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=end.error)
-                )
-        return returns
+        return [_job_return(overrides, end) for (_, overrides), end in zip(jobs, ended, strict=True)]
 
     def _options_for(self, idx: int) -> dict[str, Any]:
         options = {k: v for k, v in self.options.items() if not k.startswith("_") and k != "n_jobs"}
@@ -191,3 +238,11 @@ class TorchrunLauncher(Launcher):
         if options.get("rdzv_id"):
             options["rdzv_id"] = f"{options['rdzv_id']}-{idx}"
         return options
+
+
+def _job_return(overrides, end) -> JobReturn:
+    """What a packed job's process sent back, or a failed ``JobReturn`` if it failed outside its task (or
+    died)."""
+    if isinstance(end.value, JobReturn):
+        return end.value
+    return JobReturn(overrides=list(overrides), status=JobStatus.FAILED, _return_value=end.error)

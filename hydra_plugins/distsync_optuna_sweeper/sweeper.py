@@ -1,0 +1,53 @@
+"""``hydra/sweeper=distsync_optuna``: an Optuna study on current Optuna whose trials never wait for a batch.
+
+With distsync's launcher (``hydra/launcher=torchrun``, ``hydra.launcher.n_jobs`` > 1) a trial starts the
+moment a slot (its GPUs or cores) is free, through Optuna's ask/tell: a long trial holds its slot alone,
+the others go on. With any other launcher (Hydra's basic one, submitit) trials run in batches of ``n_jobs``
+as the launcher takes them. The study lives in Optuna's own storage (a journal file in the sweep dir by
+default, or ``storage=``: an RDB URL or ``journal:<file>``), so a killed sweep resumes with the same
+``storage`` and ``study_name``, and a trial's world reports to it directly: :func:`distsync.report` and
+:func:`distsync.should_prune` (rank 0 asks the configured pruner, every rank gets the answer).
+
+Trials that fail are told as failed and the study goes on; at the end the sweep exits non-zero if more
+than ``max_failure_rate`` of them failed. ``n_trials`` counts the study's finished trials (completed,
+pruned, failed), those of an earlier, interrupted run of the same study included. The sweep dir gets
+``optimization_results.yaml`` (as Hydra's Optuna sweeper writes it), ``optuna_trials.md`` (every trial:
+state, values, parameters, job dir; pruned ones marked) and, in each job dir, ``trial.yaml``.
+
+Hydra imports this module on every run of every app (its plugin scan), so it imports no Optuna: the study
+(``_study.py``) is imported when the sweeper is chosen, and Optuna older than 4 is refused there by name.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Any
+
+from hydra.plugins.sweeper import Sweeper
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig
+
+from hydra_plugins.distsync_optuna_sweeper.config import OPTUNA_NEEDED, optuna_major
+
+
+class DistsyncOptunaSweeper(Sweeper):
+    """See the module docstring; the options are :class:`~.config.DistsyncOptunaSweeperConf`'s."""
+
+    def __init__(self, **options: Any) -> None:
+        found = optuna_major()
+        if found is None or found < OPTUNA_NEEDED:
+            have = "is not installed" if found is None else f"{metadata.version('optuna')} is installed"
+            raise ImportError(
+                f"hydra/sweeper=distsync_optuna needs Optuna {OPTUNA_NEEDED} or newer, and Optuna {have}: "
+                "pip install 'distsync[optuna]' (Hydra's own hydra/sweeper=optuna needs Optuna < 3: the two "
+                "do not share an environment)"
+            )
+        from hydra_plugins.distsync_optuna_sweeper._study import AsyncOptunaStudy
+
+        self.study = AsyncOptunaStudy(**options)
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.study.setup(hydra_context=hydra_context, task_function=task_function, config=config)
+
+    def sweep(self, arguments: list[str]) -> None:
+        self.study.sweep(arguments)

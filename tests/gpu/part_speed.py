@@ -1,0 +1,179 @@
+"""Part 6: speed, side by side in one run: per layer, and a ResNet-50 training step.
+
+Per layer, forward + backward at the shapes of ``benchmarks/bench_syncbn.py`` (float32) and of ResNet-50's
+BN layers at batch 64, 224 px (bf16 input, float32 parameters, as under autocast):
+
+- ``native``: ``nn.BatchNorm2d`` (cuDNN/ATen), no synchronization: the floor;
+- ``distsync``: ``DistSyncBatchNorm2d`` taking its synchronized path over a one-rank NCCL group
+  (:class:`common.GroupOfOne`): everything it adds to native BN, with an all-reduce that waits for nobody;
+- ``nn.SyncBatchNorm``: its synchronized path over the same group (:class:`common.TorchSyncPath`).
+
+Time per call (median of runs of back-to-back calls, the device drained around each run), the host's CPU
+time per call (this thread), and CUDA kernels (and copies) per call from the profiler. Then ResNet-50
+(torchvision), batch 64, bf16 autocast, channels_last, SGD: a step with native BN against one converted to
+distsync (every BN layer synchronized over the one-rank group).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from common import (
+    Findings,
+    GroupOfOne,
+    TorchSyncPath,
+    fmt,
+    one_rank_world,
+    quick,
+    set_transport,
+    time_per_call,
+)
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import distsync
+
+BENCH_SHAPES = [(8, 64, 8, 8), (16, 64, 32, 32)]  # benchmarks/bench_syncbn.py's headline shapes
+RESNET50_SHAPES = [
+    (64, 64, 112, 112),
+    (64, 256, 56, 56),
+    (64, 512, 28, 28),
+    (64, 1024, 14, 14),
+    (64, 2048, 7, 7),
+]
+VARIANTS = ("native", "distsync", "nn.SyncBatchNorm")
+
+
+def _layer(variant: str, channels: int, device: str) -> nn.Module:
+    if variant == "native":
+        return nn.BatchNorm2d(channels).to(device)
+    if variant == "distsync":
+        layer = distsync.DistSyncBatchNorm2d(channels).to(device)
+        set_transport(layer, GroupOfOne)
+        return layer
+    return TorchSyncPath.convert(nn.BatchNorm2d(channels)).to(device)
+
+
+def _fwd_bwd(layer: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, device: str) -> Callable[[], None]:
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(shape, device=device, dtype=dtype)
+
+    def call() -> None:
+        layer(x).backward(grad)
+        x.grad = layer.weight.grad = layer.bias.grad = None
+
+    return call
+
+
+def _device_ops_per_call(call: Callable[[], None], device: str, calls: int = 5) -> float:
+    """CUDA kernels, copies and memsets per call, from the profiler's device-side events."""
+    if device != "cuda":
+        return float("nan")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    device_side = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(device_side) / calls
+
+
+def _count(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.0f}"
+
+
+def run(findings: Findings, device: str) -> None:
+    small = quick(device)
+    calls, repeats = (5, 3) if small else (20, 7)
+    cases = [(s, torch.float32) for s in BENCH_SHAPES[: 1 if small else None]]
+    cases += [(s, torch.bfloat16) for s in ([(4, 64, 16, 16)] if small else RESNET50_SHAPES)]
+    rows = []
+    with one_rank_world(device):
+        for shape, dtype in cases:
+            measured = {}
+            for variant in VARIANTS:
+                layer = _layer(variant, shape[1], device)
+                call = _fwd_bwd(layer, shape, dtype, device)
+                try:
+                    for _ in range(3):
+                        call()
+                except (RuntimeError, ValueError, NotImplementedError) as error:
+                    measured[variant] = (float("nan"), float("nan"), float("nan"))
+                    findings.note(f"{variant} at {shape}: n/a ({str(error).splitlines()[0][:100]})")
+                    continue
+                wall, cpu = time_per_call(call, device, calls, repeats)
+                measured[variant] = (wall, cpu, _device_ops_per_call(call, device))
+            distsync.check_sync()
+            findings.check(
+                f"distsync and native BN measured at {shape} {dtype}",
+                all(math.isfinite(v) for v in (*measured["native"][:2], *measured["distsync"][:2])),
+            )
+            ours, theirs = measured["distsync"][2], measured["nn.SyncBatchNorm"][2]
+            if math.isfinite(ours) and math.isfinite(theirs):  # on a GPU, where both ran
+                findings.check(
+                    f"distsync launches no more device ops per call than nn.SyncBatchNorm at {shape}",
+                    ours <= theirs,
+                    f"{ours:.0f} vs {theirs:.0f}",
+                )
+            native = measured["native"][0]
+            rows.append([
+                f"{shape} {str(dtype).removeprefix('torch.')}",
+                *(fmt(measured[v][0]) for v in VARIANTS),
+                f"{measured['distsync'][0] / native:.2f}",
+                f"{measured['nn.SyncBatchNorm'][0] / native:.2f}",
+                *(fmt(measured[v][1]) for v in ("distsync", "nn.SyncBatchNorm")),
+                *(_count(measured[v][2]) for v in VARIANTS),
+            ])  # fmt: skip
+            findings.figure(f"distsync / native, {shape} {dtype}", round(measured["distsync"][0] / native, 3))
+        header = [
+            "shape", "native", "distsync", "nn.SyncBatchNorm", "distsync / native", "SyncBN / native",
+            "CPU per call: distsync", "CPU per call: SyncBN", "device ops: native", "distsync", "SyncBN",
+        ]  # fmt: skip
+        findings.table(
+            f"One BN layer, forward + backward, one-rank group ({calls} calls x {repeats})", header, rows
+        )
+        _model_step(findings, device, small)
+
+
+def _model_step(findings: Findings, device: str, small: bool) -> None:
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    batch, size, steps, repeats = (4, 64, 2, 2) if small else (64, 224, 10, 5)
+    name = "resnet18" if small else "resnet50"
+    x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
+    labels = torch.randint(0, 1000, (batch,), device=device)
+    rows, times = [], {}
+    for variant in ("native", "distsync"):
+        torch.manual_seed(0)
+        model = getattr(torchvision.models, name)()
+        if variant == "distsync":
+            model = distsync.convert_sync_batchnorm(model)
+            synced = set_transport(model, GroupOfOne)
+        model = model.to(device, memory_format=torch.channels_last)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+        def step() -> None:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x), labels)  # noqa: B023
+            loss.backward()
+            optimizer.step()  # noqa: B023
+            optimizer.zero_grad(set_to_none=True)  # noqa: B023
+
+        for _ in range(3):
+            step()
+        wall, cpu = time_per_call(step, device, steps, repeats)
+        distsync.check_sync()
+        times[variant] = wall
+        rows.append([variant, fmt(wall), f"{batch / wall:.0f}", fmt(cpu)])
+    ratio = times["distsync"] / times["native"]
+    rows.append(["distsync / native", f"{ratio:.3f}", "", ""])
+    findings.table(
+        f"{name}, batch {batch}, {size} px, bf16 autocast, channels_last, SGD: one training step "
+        f"({synced} synchronized layers over the one-rank group)",
+        ["variant", "step", "images/s", "CPU per step"],
+        rows,
+    )
+    findings.figure(f"{name} step, distsync / native", round(ratio, 3))

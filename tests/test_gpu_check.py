@@ -1,0 +1,74 @@
+"""The GPU check (tests/gpu/) is ready to run when a GPU is at hand: it parses, plans, and dry-runs here."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from launching import ROOT
+from packaging.requirements import Requirement
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+GPU = ROOT / "tests" / "gpu"
+sys.path.insert(0, str(GPU))
+check = importlib.import_module("check")
+
+
+def test_the_plan_names_every_part_and_fits_the_time_limit():
+    proc = subprocess.run(
+        [sys.executable, str(GPU / "check.py"), "--plan"], capture_output=True, text=True, check=True
+    )
+    names = [line.split()[0] for line in proc.stdout.splitlines()[:-1]]
+    assert names == [part.name for part in check.PARTS] and len(names) == 7
+    assert sum(part.limit_s for part in check.PARTS) <= check.TOTAL_LIMIT_S <= 8 * 60 - 30  # install, report
+    for part in check.PARTS:  # without CUDA here: the GPU-only parts say they are skipped
+        expected = "skipped: needs CUDA" if part.needs_cuda else "on the CPU"
+        assert re.search(rf"^{part.name} .*{expected}", proc.stdout, re.M), proc.stdout
+
+
+def test_every_part_resolves_to_a_function():
+    for part in check.PARTS:
+        module, function = part.target.split(":")
+        assert callable(getattr(importlib.import_module(module), function)), part
+
+
+def test_the_carried_wheels_satisfy_the_project_and_the_script_parses():
+    subprocess.run(["bash", "-n", str(GPU / "run.sh")], check=True)
+    pinned = {}
+    for line in (GPU / "wheels.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pinned[name] = version
+    assert set(pinned) == {"hydra-core", "omegaconf", "antlr4-python3-runtime"}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for requirement in map(Requirement, project):
+        if requirement.name in pinned:
+            assert requirement.specifier.contains(pinned[requirement.name]), requirement
+
+
+@pytest.mark.slow
+def test_the_dry_run_on_the_cpu_passes_what_it_runs_and_skips_the_rest(tmp_path):
+    """About a minute: the parts that can run on the CPU run smaller there, so their code is exercised."""
+    proc = subprocess.run(
+        [sys.executable, str(GPU / "check.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=check.TOTAL_LIMIT_S + 60,
+        check=False,
+    )
+    report = json.loads((tmp_path / "report.json").read_text())
+    statuses = {name: part["status"] for name, part in report["parts"].items()}
+    expected = {part.name: "SKIP" if part.needs_cuda else "PASS" for part in check.PARTS}
+    assert statuses == expected, proc.stdout + proc.stderr
+    assert proc.returncode == 0
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| 6. Speed, side by side | PASS |" in markdown and "Skipped: needs CUDA" in markdown
+    assert not (tmp_path / ".parts").exists()
