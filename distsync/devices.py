@@ -59,15 +59,15 @@ class DeviceSet:
     def __str__(self) -> str:
         if self.kind == "cuda":
             return "GPUs " + ",".join(map(str, self.ids))
-        return "cores " + _ranges(self.ids)  # type: ignore[arg-type]
+        return ("core " if len(self.ids) == 1 else "cores ") + _ranges(self.ids)  # type: ignore[arg-type]
 
 
 def _ranges(cores: tuple[int, ...]) -> str:
-    """``0-3,8-11`` for ``(0, 1, 2, 3, 8, 9, 10, 11)``; one core is ``5-5`` (``taskset -c`` reads both)."""
+    """``0-3,8-11`` for ``(0, 1, 2, 3, 8, 9, 10, 11)``; ``5`` for a run of one core."""
     parts, start = [], cores[0]
     for prev, core in zip(cores, (*cores[1:], None), strict=True):
         if core != prev + 1:
-            parts.append(f"{start}-{prev}")
+            parts.append(f"{start}-{prev}" if prev != start else f"{start}")
             start = core
     return ",".join(parts)
 

@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["allocations", "free_port", "run_threads", "run_world", "WorkerFailed"]
+__all__ = ["allocations", "free_port", "run_threads", "run_world", "timeout_scale", "WorkerFailed"]
+
+TIMEOUT_SCALE_ENV = "DISTSYNC_TEST_TIMEOUT_SCALE"
 
 
 class WorkerFailed(RuntimeError):
@@ -32,6 +34,18 @@ def free_port() -> int:
 
 
 _AFTER_A_FAILURE = 30.0  # seconds the other ranks get to finish once one has raised
+
+
+def timeout_scale() -> float:
+    """How much longer than on an idle machine a test's worlds and jobs may take here: the number in
+    ``$DISTSYNC_TEST_TIMEOUT_SCALE`` if set, else the load per core (1-minute load average over the cores
+    this process may use), at least 1. :func:`run_world` applies it to its ``timeout``, so a suite run on a
+    busy machine is slower, not failed."""
+    if os.environ.get(TIMEOUT_SCALE_ENV):
+        return max(1.0, float(os.environ[TIMEOUT_SCALE_ENV]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1.0, load / cores)
 
 
 def _context() -> Any:
@@ -84,9 +98,10 @@ def run_world(
 
     The processes form a ``backend`` world (gloo by default; ``nccl`` puts rank r on GPU r).
     ``fn`` must be importable (module level) and its result picklable. Raises :class:`WorkerFailed` with
-    the tracebacks of failing ranks, or when the world does not finish within ``timeout`` seconds (the
-    processes are then killed, so a hang fails the caller instead of blocking it).
+    the tracebacks of failing ranks, or when the world does not finish within ``timeout`` seconds times
+    :func:`timeout_scale` (the processes are then killed, so a hang fails the caller instead of blocking it).
     """
+    timeout *= timeout_scale()
     ctx = _context()
     results = ctx.Queue()
     port = free_port()

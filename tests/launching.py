@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from distsync.testing import timeout_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "train.py"
@@ -28,10 +31,24 @@ def job_env(**extra: str) -> dict[str, str]:
 
 
 def run_job(args: list, cwd: Path, timeout: float = 150, **env: str) -> subprocess.CompletedProcess:
-    """Run a command to its end; print its output's tail if it failed (pytest shows it then)."""
-    proc = subprocess.run(
-        args, cwd=cwd, env=job_env(**env), capture_output=True, text=True, timeout=timeout, check=False
-    )
+    """Run a command to its end; print its output's tail if it failed (pytest shows it then).
+
+    ``timeout`` is an idle machine's, times :func:`distsync.testing.timeout_scale`. The command runs in a
+    session of its own: on a timeout its whole process group is killed, so no worker it started is left
+    holding the output pipes (which would block this call after the timeout)."""
+    timeout *= timeout_scale()
+    with subprocess.Popen(
+        args, cwd=cwd, env=job_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    ) as popen:  # fmt: skip
+        try:
+            stdout, stderr = popen.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            stdout, stderr = popen.communicate()
+            print(stdout[-4000:], stderr[-4000:], sep="\n---\n")
+            raise subprocess.TimeoutExpired(args, timeout, stdout, stderr) from None
+    proc = subprocess.CompletedProcess(args, popen.returncode, stdout, stderr)
     if proc.returncode != 0:
         print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n---\n")
     return proc

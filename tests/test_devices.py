@@ -54,8 +54,9 @@ def test_cores_are_split_in_nearly_equal_contiguous_sets():
     assert _ids(split_devices(cores, 2, "auto")) == [(0, 1, 2), (3, 4), (5, 6), (7, 9)]
     assert _ids(split_devices(cores, 1, "auto", jobs=2)) == [(0, 1, 2, 3, 4), (5, 6, 7, 9)]
     assert _ids(split_devices(cores, 16, "auto")) == [tuple(cores.ids)]  # fewer cores than ranks: one job
-    assert [str(s) for s in split_devices(DeviceSet("cpu", (0, 1)), 1, 2)] == ["cores 0-0", "cores 1-1"]
+    assert [str(s) for s in split_devices(DeviceSet("cpu", (0, 1)), 1, 2)] == ["core 0", "core 1"]
     assert str(DeviceSet("cpu", (0, 1, 2, 3, 8, 9))) == "cores 0-3,8-9"
+    assert str(DeviceSet("cpu", (0, 2, 3, 5))) == "cores 0,2-3,5"
 
 
 @pytest.mark.parametrize(

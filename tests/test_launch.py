@@ -285,6 +285,13 @@ def test_the_wheel_alone_runs_the_training_job(tmp_path):
     assert proc.returncode == 0
     assert summary(run_dir)["steps"] == 10 and summary(run_dir)["world_size"] == 2
 
+    # The same job under an external torchrun, as a module of the wheel: every rank in one run dir.
+    torchrun = [python, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "distsync.train"]
+    run_dir = work / "torchrun"
+    proc = run_job([*torchrun, f"hydra.run.dir={run_dir}", "trainer.max_steps=6", *FAST], work)
+    assert proc.returncode == 0
+    assert summary(run_dir)["steps"] == 6 and summary(run_dir)["world_size"] == 2
+
     # A user's own app, copied out of the checkout, finds the wheel's hydra/launcher=torchrun plugin.
     app = work / "my_app"
     shutil.copytree(ROOT / "examples" / "hydra_app", app)

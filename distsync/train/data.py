@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from .config import ConfigError, DataConfig
+from .stretch import Stretch, one_step_stretches
 from .targets import instantiate
 
 __all__ = [
@@ -80,7 +81,8 @@ def batches_per_epoch(per_rank: int, batch_size: int, world_size: int, total: in
 
 
 class _Position:
-    """The resumable position ``(epoch, batch)`` of endless per-rank batches."""
+    """The resumable position ``(epoch, batch)`` of endless per-rank batches, the same number on every rank:
+    the training loop's stretches are single steps, which every rank takes together."""
 
     epoch = 0
     batch = 0
@@ -90,6 +92,12 @@ class _Position:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
+
+    def stretches(self, model) -> Iterator[Stretch]:
+        return one_step_stretches(iter(self))
+
+    def agree(self, start: int, step: int, losses: list[tuple[int, Tensor]], keep: int) -> tuple[int, dict]:
+        return step, dict(losses)  # every rank took this step: nothing to agree on, no collective
 
 
 class ShardedBatches(_Position):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,11 +34,9 @@ from distsync.distributed import is_distributed
 
 from .collectives import all_reduce
 from .config import ConfigError, TrainConfig
+from .stretch import Stretch
 
-if TYPE_CHECKING:
-    from .trainer import Trainer
-
-__all__ = ["StreamBatches", "check_streaming", "first_input", "is_stream", "train_streaming"]
+__all__ = ["StreamBatches", "check_streaming", "first_input", "is_stream"]
 
 
 def is_stream(dataset: Any) -> bool:
@@ -91,11 +89,15 @@ class StreamBatches:
         dataset: an ``IterableDataset`` of ``(input, label)`` pairs that yields this rank's share
         batch_size: samples per rank per step
         num_workers: DataLoader worker processes
-        pin_memory: page-locked batches, for a GPU
+        device: where the ranks agree at the end of a pass (the process group's device); batches are
+            page-locked for a GPU
     """
 
-    def __init__(self, dataset: IterableDataset, batch_size: int, num_workers: int = 0, pin_memory=False):
-        self.dataset = dataset
+    def __init__(
+        self, dataset: IterableDataset, batch_size: int, num_workers: int = 0, device: Any = "cpu"
+    ) -> None:
+        self.dataset, self.device = dataset, torch.device(device)
+        pin_memory = self.device.type == "cuda"
         self.loader = DataLoader(
             dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=pin_memory, drop_last=True
         )
@@ -112,81 +114,34 @@ class StreamBatches:
     def load_state_dict(self, state: dict) -> None:
         self.epoch = int(state["epoch"])  # a checkpoint of a streaming run is always at a pass boundary
 
+    def stretches(self, model) -> Iterator[Stretch]:
+        """One stretch per pass, under ``Join`` on several ranks: a rank whose stream ends first shadows the
+        others' collectives (DDP's and the synchronized layers', through :func:`distsync.joinable`)."""
+        layers = distsync.joinable(model) if is_distributed() else None  # on every rank, before a step
+        while True:
+            join = Join([layers, model]) if layers is not None else contextlib.nullcontext()
+            yield Stretch(join, (iter([batch]) for batch in self))
 
-def train_streaming(trainer: Trainer, bar) -> None:
-    """The training loop of a streaming run: passes until ``trainer.max_steps``, with the logs, evaluations
-    and checkpoints at the pass boundaries (see the module docstring)."""
-    t = trainer.cfg.trainer
-    batches: StreamBatches = trainer.batches
-    layers = distsync.joinable(trainer.ddp) if is_distributed() else None  # on every rank, before a step
-    loss_sum = torch.zeros(2, dtype=torch.float64, device=trainer.device)  # sum of losses, count
-    trainer.ddp.train()
-    while trainer.step < t.max_steps and trainer.pruned_at is None:
-        start = trainer.step
-        losses = _one_pass(trainer, layers, bar)
-        for _, loss in losses:
-            loss_sum += torch.stack([loss, loss.new_ones(())])
-        step = torch.tensor([trainer.step], dtype=torch.int64, device=trainer.device)
-        all_reduce(step, torch.distributed.ReduceOp.MAX)
-        step = int(step.item())
-        if step == start:  # the same on every rank: no rank had a full batch in this pass
+    def agree(self, start: int, step: int, losses: list[tuple[int, Tensor]], keep: int) -> tuple[int, dict]:
+        """The largest step any rank reached in the pass, and each of its last ``keep`` steps' mean loss over
+        the ranks that took it (NaN for none), the same on every rank (so ``final_loss``, a mean over
+        ranks, is the mean over the steps). Raises :class:`ConfigError` on every rank if no rank had a full
+        batch in the pass."""
+        reached = torch.tensor([step], dtype=torch.int64, device=self.device)
+        all_reduce(reached, torch.distributed.ReduceOp.MAX)
+        agreed = int(reached.item())
+        if agreed == start:  # the same on every rank
             raise ConfigError(
-                f"data.train: no rank had a full batch of data.batch_size={trainer.cfg.data.batch_size} "
-                f"in pass {batches.epoch}"
+                f"data.train: no rank had a full batch of data.batch_size={self.loader.batch_size} in pass "
+                f"{self.epoch}"
             )
-        for _ in range(step - trainer.step):  # a joined rank's schedule catches up: the LRs agree
-            trainer.scheduler.step()
-        trainer.step = step
-        batches.epoch += 1  # a checkpoint from here resumes at the next pass
-        _record_recent_losses(trainer, losses, start)
-        _at_boundary(trainer, start, loss_sum, bar)
-
-
-def _one_pass(trainer: Trainer, layers, bar) -> list[tuple[int, Tensor]]:
-    """This rank's steps of one pass, under ``Join``; returns its ``(step, loss)`` pairs."""
-    t = trainer.cfg.trainer
-    losses: list[tuple[int, Tensor]] = []
-    join = Join([layers, trainer.ddp]) if layers is not None else contextlib.nullcontext()
-    with join:
-        for batch in trainer.batches:
-            if trainer.step >= t.max_steps:  # the ranks still training get here together
-                break
-            loss = trainer._train_step(iter([batch]))
-            trainer.scheduler.step()
-            trainer.step += 1
-            losses.append((trainer.step, loss.detach().double()))
-            if bar is not None:
-                bar.update(1)
-    return losses
-
-
-def _record_recent_losses(trainer: Trainer, losses: list[tuple[int, Tensor]], start: int) -> None:
-    """Each step's mean loss over the ranks that took it, for ``final_loss`` and the logs; the same on every
-    rank (so ``final_loss``, a mean over ranks, is the mean over the steps)."""
-    from .trainer import FINAL_LOSS_STEPS
-
-    first = max(start, trainer.step - FINAL_LOSS_STEPS) + 1
-    sums = torch.zeros(trainer.step - first + 1, 2, dtype=torch.float64, device=trainer.device)
-    for step, loss in losses:
-        if step >= first:
-            sums[step - first] = torch.stack([loss, loss.new_ones(())])
-    all_reduce(sums)
-    for i, (total, count) in enumerate(sums.tolist()):
-        trainer.recent_losses[(first + i) % FINAL_LOSS_STEPS] = total / count if count else math.nan
-
-
-def _at_boundary(trainer: Trainer, start: int, loss_sum: Tensor, bar) -> None:
-    """The logs, evaluation and checkpoint that fell due in ``(start, step]``, once each, at this step."""
-    t, step = trainer.cfg.trainer, trainer.step
-
-    def due(every: int) -> bool:
-        return step // every > start // every
-
-    distsync.check_sync()
-    if due(t.log_every) or step == t.max_steps:
-        trainer._log_train(loss_sum, bar)  # the mean loss of every rank's steps since the last log
-        loss_sum.zero_()
-    if due(t.eval_every) and step < t.max_steps and trainer.pruned(trainer._evaluate()):
-        return
-    if due(t.checkpoint_every) or step == t.max_steps:
-        trainer._checkpoint()
+        self.epoch += 1  # a checkpoint from here resumes at the next pass
+        first = max(start, agreed - keep) + 1
+        sums = torch.zeros(agreed - first + 1, 2, dtype=torch.float64, device=reached.device)
+        for at, loss in losses:
+            if at >= first:
+                sums[at - first] = torch.stack([loss.double(), loss.new_ones((), dtype=torch.float64)])
+        all_reduce(sums)
+        return agreed, {
+            first + i: total / count if count else math.nan for i, (total, count) in enumerate(sums.tolist())
+        }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import json
 import math
 import os
 import random
@@ -38,7 +39,7 @@ from .metrics import MetricsLog, plot_curves, write_json_atomic
 from .model import all_norms_synced, build_model
 from .optim import build_optimizer, build_scheduler
 from .state import resume_training, save_training_state
-from .streaming import StreamBatches, check_streaming, first_input, is_stream, train_streaming
+from .streaming import StreamBatches, check_streaming, first_input, is_stream
 from .targets import instantiate
 
 __all__ = ["Trainer", "FINAL_LOSS_STEPS", "KILL_AT_STEP_ENV"]
@@ -91,6 +92,7 @@ class Trainer:
         # This rank's training losses of the last FINAL_LOSS_STEPS steps (for final_loss).
         self.recent_losses = torch.full((FINAL_LOSS_STEPS,), math.nan, dtype=torch.float64, device=device)
         self.seconds_before = 0.0  # of the attempts up to the checkpoint resumed from
+        self.training_since: float | None = None  # when this attempt's first step began
         local_states = self._resume()
         self.ddp = self._wrap_ddp()
         self.forward = torch.compile(self.ddp) if t.compile else self.ddp
@@ -157,7 +159,7 @@ class Trainer:
             check_streaming(self.cfg)
             # A stream splits itself among loader workers only if it is written to: none unless asked.
             workers = d.num_workers or 0
-            return StreamBatches(self.train, d.batch_size, workers, pin_memory=pin_memory)
+            return StreamBatches(self.train, d.batch_size, workers, device=self.device)
         return LoaderBatches(
             self.train, d.batch_size, self.rank, self.world_size, seed, workers, pin_memory=pin_memory
         )
@@ -189,6 +191,11 @@ class Trainer:
             t.max_steps,
             self.run_dir,
         )
+        finished = self.run_dir / "summary.json"
+        if self.resumed_from == t.max_steps and finished.exists():  # the same on every rank: one file
+            self.log.info("%s finished at step %d already: nothing to do", self.run_dir, self.step)
+            return json.loads(finished.read_text())
+        self.training_since = time.time()
         bar = _progress_bar(t.max_steps, self.step, enabled=self.rank == 0 and t.progress)
         with console_quiet(bar is not None):  # with a bar, INFO lines go to the rank's file only
             self._train(bar)
@@ -197,34 +204,54 @@ class Trainer:
         return self._finish()
 
     def _train(self, bar) -> None:
-        if isinstance(self.batches, StreamBatches):  # passes of uneven length, under DDP's Join
-            return train_streaming(self, bar)
+        """The training loop: stretches of steps from the batch source (one step each for a map-style
+        dataset; a pass under DDP's ``Join`` for a stream, see :mod:`~distsync.train.stretch`), and at each
+        stretch's end the logs, evaluation and checkpoint that fell due within it."""
         t = self.cfg.trainer
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # sum of losses, count
-        batches = iter(self.batches)
+        stretches = self.batches.stretches(self.ddp)
         self.ddp.train()
-        while self.step < t.max_steps:
-            loss = self._train_step(batches)
-            self.scheduler.step()
-            self.step += 1
-            loss_sum += torch.stack([loss.double(), loss.new_ones((), dtype=torch.float64)])
-            self.recent_losses[self.step % FINAL_LOSS_STEPS] = loss.double()  # on the device: no sync
-            if bar is not None:
-                bar.update(1)
-            if (
-                self.step % t.log_every == 0
-                or self.step % t.checkpoint_every == 0
-                or self.step == t.max_steps
-            ):
-                distsync.check_sync()  # deferred GPU-side errors surface before anything is logged or saved
-            if self.step % t.log_every == 0 or self.step == t.max_steps:
-                self._log_train(loss_sum, bar)
-                loss_sum.zero_()
-            if self.step % t.eval_every == 0 and self.step < t.max_steps and self.pruned(self._evaluate()):
-                break
-            if self.step % t.checkpoint_every == 0 or self.step == t.max_steps:
-                self._checkpoint()
+        while self.step < t.max_steps and self.pruned_at is None:
+            start, losses = self.step, []
+            stretch = next(stretches)
+            with stretch.context:
+                for micro_batches in stretch.steps:
+                    if self.step >= t.max_steps:  # the ranks still training get here together
+                        break
+                    loss = self._train_step(micro_batches).detach().double()
+                    self.scheduler.step()
+                    self.step += 1
+                    losses.append((self.step, loss))
+                    loss_sum += torch.stack([loss, loss.new_ones(())])
+                    if bar is not None:
+                        bar.update(1)
+            step, recent = self.batches.agree(start, self.step, losses, FINAL_LOSS_STEPS)
+            for _ in range(step - self.step):  # a rank that joined catches up its schedule: the LRs agree
+                self.scheduler.step()
+            self.step = step
+            for at, loss in recent.items():
+                self.recent_losses[at % FINAL_LOSS_STEPS] = loss  # on the device: no sync
+            self._at_stretch_end(start, loss_sum, bar)
             _test_kill_hook(self.step, self.rank, self.restarts)
+
+    def _at_stretch_end(self, start: int, loss_sum: torch.Tensor, bar) -> None:
+        """The logs, evaluation and checkpoint that fell due in ``(start, step]``, once each, at this step."""
+        t, step = self.cfg.trainer, self.step
+
+        def due(every: int) -> bool:
+            return step // every > start // every
+
+        log, evaluate = due(t.log_every) or step == t.max_steps, due(t.eval_every) and step < t.max_steps
+        checkpoint = due(t.checkpoint_every) or step == t.max_steps
+        if log or evaluate or checkpoint:
+            distsync.check_sync()  # deferred GPU-side errors surface before anything is logged or saved
+        if log:
+            self._log_train(loss_sum, bar)  # the mean loss of every rank's steps since the last log
+            loss_sum.zero_()
+        if evaluate and self.pruned(self._evaluate()):
+            return
+        if checkpoint:
+            self._checkpoint()
 
     def _train_step(self, batches) -> torch.Tensor:
         """One optimizer step over ``trainer.grad_accum_steps`` micro-batches; returns the mean loss."""
@@ -376,8 +403,10 @@ class Trainer:
         return summary
 
     def seconds_spent(self) -> float:
-        """Seconds spent on this run: this attempt's, and those of earlier attempts up to their checkpoint."""
-        return self.seconds_before + time.time() - self.started
+        """Seconds spent training this run: this attempt's since its first step (not its start-up: process
+        group, data, model, resume), and those of earlier attempts up to their last checkpoint."""
+        since = self.training_since
+        return self.seconds_before + (time.time() - since if since is not None else 0.0)
 
     def _save_inference_model(self) -> None:
         """``model_inference.pt``: the whole trained model with plain ``nn.BatchNorm`` layers, for eval and
