@@ -204,6 +204,8 @@ def test_a_rank_whose_forward_skips_batch_norm_for_an_empty_batch_still_takes_pa
             if rank == 0:  # the empty rank's parameter gradients are zero, the others' those of the batch
                 for got, param in zip(grads, reference.parameters(), strict=True):
                     torch.testing.assert_close(got, param.grad, rtol=1e-4, atol=1e-5)
+
+
 def _frozen_forward(rank, world_size):
     layer = distsync.convert_sync_batchnorm(_FrozenNorm(3))
     return layer(torch.randn(2 + rank, 3, 2, 2)).shape[0]
