@@ -14,8 +14,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
 import distsync
-from distsync import _health
-from distsync._trace import fake_cuda_world, record
+from distsync._syncbn import health as _health
+from distsync._syncbn.trace import fake_cuda_world, record
 
 SHAPE = (16, 64, 32, 32)
 

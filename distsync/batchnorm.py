@@ -13,12 +13,14 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import handle_torch_function, has_torch_function
 
-from . import _compiled, _fx, _torch_compat
-from ._identity import SyncState
-from ._transport import Reducer, process_group_reducer
-from ._unwrapped import warn_if_unwrapped
-from .functional import SyncBatchNormFunction
-from .groups import GroupSpec, as_process_group
+from distsync import _torch_compat
+from distsync._syncbn import compiled as _compiled
+from distsync._syncbn import fx as _fx
+from distsync._syncbn.identity import SyncState
+from distsync._syncbn.transport import Reducer, process_group_reducer
+from distsync._syncbn.unwrapped import warn_if_unwrapped
+from distsync.functional import SyncBatchNormFunction
+from distsync.groups import GroupSpec, as_process_group
 
 __all__ = [
     "BatchNormNd",
@@ -230,7 +232,7 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
         ranks of ``process_group`` if one is initialized. Only copy 0, whose buffers are the module's own,
         updates the running statistics.
         """
-        from .parallel.transport import replica_reducer  # lazy: distsync.parallel imports this module
+        from distsync.parallel.transport import replica_reducer  # lazy: distsync.parallel imports this module
 
         self._sync_state = self._sync_state.fresh_copy()
         self._replica_reducer = replica_reducer(ctx, copy_id, self.process_group)

@@ -17,9 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._health import check_sync
-from .batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
-from .testing import WorkerFailed, run_world
+from distsync._syncbn.health import check_sync
+from distsync.batchnorm import (
+    DistSyncBatchNorm,
+    DistSyncBatchNorm1d,
+    DistSyncBatchNorm2d,
+    DistSyncBatchNorm3d,
+)
+from distsync.testing import WorkerFailed, run_world
 
 _CLASSES = {
     2: (nn.BatchNorm1d, DistSyncBatchNorm1d),

@@ -8,9 +8,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ._identity import stamp_paths
-from ._subclass import original_class, twin_class
-from .batchnorm import (
+from distsync._syncbn.identity import stamp_paths
+from distsync._syncbn.subclass import original_class, twin_class
+from distsync.batchnorm import (
     BatchNormNd,
     DistSyncBatchNorm,
     DistSyncBatchNorm1d,
@@ -18,7 +18,7 @@ from .batchnorm import (
     DistSyncBatchNorm3d,
     DistSyncSyncBatchNorm,
 )
-from .groups import GroupSpec
+from distsync.groups import GroupSpec
 
 __all__ = ["convert_sync_batchnorm", "revert_sync_batchnorm", "BatchNormNd"]
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import datetime
 import inspect
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -117,7 +119,25 @@ def _keep_until_exit(group: dist.ProcessGroup) -> None:
     # A reference in a Python container would be dropped by the interpreter's teardown: take one that
     # nothing releases.
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    if not _kept_groups:
+        atexit.register(_let_finished_collectives_go)
     _kept_groups.append(group)
+
+
+_EXIT_GRACE_S = 0.1
+
+
+def _let_finished_collectives_go() -> None:
+    """Give the kept groups' worker threads the GIL once more before the interpreter finalizes.
+
+    A gloo worker frees a collective after its caller has the result, and a collective issued during a
+    backward holds a Python object (the backward's ``contextvars`` context, stashed in the thread-local
+    state it captured), whose release needs the GIL. A worker that asks for it once the interpreter is
+    finalizing is ended by Python inside a C++ destructor, which aborts the process ("terminate called
+    without an active exception") after a script that ended right after its last step. Run from ``atexit``,
+    before finalization: the workers finish in microseconds; this waits a tenth of a second for them.
+    """
+    time.sleep(_EXIT_GRACE_S)
 
 
 def _restart_safe_store(timeout: datetime.timedelta | None) -> dict:

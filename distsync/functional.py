@@ -8,11 +8,13 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import _checkpointing, _health, _moments
-from ._identity import BACKWARD, COUNT, FORWARD, CallTag, SyncState, failed_row
-from ._kernels import cast_if_needed, kernels_for
-from ._transport import Call, Reducer
-from .errors import SyncError
+from distsync._syncbn import checkpointing as _checkpointing
+from distsync._syncbn import health as _health
+from distsync._syncbn import moments as _moments
+from distsync._syncbn.identity import BACKWARD, COUNT, FORWARD, CallTag, SyncState, failed_row
+from distsync._syncbn.kernels import cast_if_needed, kernels_for
+from distsync._syncbn.transport import Call, Reducer
+from distsync.errors import SyncError
 
 __all__ = ["SyncBatchNormFunction", "shadow_backward", "shadow_forward", "sync_backward_sums"]
 

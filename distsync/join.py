@@ -40,12 +40,12 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _torch_compat
-from ._identity import BACKWARD, FORWARD, stamp_paths
-from ._transport import Call, ProcessGroupReducer
-from .batchnorm import DistSyncBatchNorm
-from .errors import SyncMismatchError
-from .functional import shadow_backward, shadow_forward
+from distsync import _torch_compat
+from distsync._syncbn.identity import BACKWARD, FORWARD, stamp_paths
+from distsync._syncbn.transport import Call, ProcessGroupReducer
+from distsync.batchnorm import DistSyncBatchNorm
+from distsync.errors import SyncMismatchError
+from distsync.functional import shadow_backward, shadow_forward
 
 __all__ = ["joinable"]
 

@@ -18,10 +18,10 @@ import importlib
 import torch.distributed as dist
 from torch import nn
 
-from . import _torch_compat
-from .batchnorm import DistSyncBatchNorm
-from .convert import convert_sync_batchnorm, revert_sync_batchnorm
-from .groups import create_syncbn_process_group
+from distsync import _torch_compat
+from distsync.batchnorm import DistSyncBatchNorm
+from distsync.convert import convert_sync_batchnorm, revert_sync_batchnorm
+from distsync.groups import create_syncbn_process_group
 
 __all__ = ["DistSyncBatchNormPlugin"]
 

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import batchnorm
-from .batchnorm import DistSyncBatchNorm
-from .errors import SyncError
+from distsync import batchnorm
+from distsync.batchnorm import DistSyncBatchNorm
+from distsync.errors import SyncError
 
 __all__ = ["update_bn"]
 

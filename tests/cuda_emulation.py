@@ -4,7 +4,7 @@ Read against PyTorch's ``aten/src/ATen/native/cuda/Normalization.cu``: statistic
 (float32 for half, bfloat16 and float32 inputs, float64 for float64), the dtype checks that raise there,
 and what each op allocates (outputs in the input's layout, sums in the statistics' dtype, the weight
 gradient from the weight's options). :class:`EmulatedCudaKernels` is distsync's CUDA kernel class with
-these ops; a test routes CPU tensors through it with ``distsync._kernels.routed("cpu", ...)``, which runs
+these ops; a test routes CPU tensors through it with ``kernels.routed("cpu", ...)``, which runs
 the whole CUDA code path (its kernels, tails and deferred verdicts) in a gloo world.
 """
 
@@ -15,7 +15,8 @@ import contextlib
 import torch
 from torch import Tensor
 
-from distsync import _health, _kernels
+from distsync._syncbn import health as _health
+from distsync._syncbn import kernels as _kernels
 
 _HALF = (torch.float16, torch.bfloat16)
 

@@ -42,7 +42,7 @@ def fail_holding(cfg):
 def launch_and_print(name, cfg=None, **options):
     """Launch ``name`` (on 2 ranks unless told) from a subprocess of the tests; print its result or error."""
     import distsync
-    from distsync.elastic import LaunchError
+    from distsync.launching.elastic import LaunchError
 
     options.setdefault("nproc_per_node", 2)
     try:
@@ -73,7 +73,7 @@ def end_as(ends):
 
 def arm_lifeline_and_wait(conn, watchdog_only):
     """A multiprocessing child: die with the process that started it, say so, then wait to be killed."""
-    from distsync import lifeline
+    from distsync.launching import lifeline
 
     if watchdog_only:
         lifeline._PR_SET_PDEATHSIG = 0  # an invalid prctl option: the watchdog thread alone

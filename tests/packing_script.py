@@ -8,8 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from distsync._packing import run_packed
-from distsync.devices import DeviceSet
+from distsync.launching.devices import DeviceSet
+from distsync.launching.packing import run_packed
 
 
 def wait_for_a_signal(k: int, out: Path, slot: DeviceSet) -> int:

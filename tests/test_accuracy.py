@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 import distsync
-from distsync import _kernels
+from distsync._syncbn import kernels as _kernels
 from distsync.testing import run_world
 
 FLOOR = 2.0**-26
@@ -221,7 +221,7 @@ LAYOUTS = [  # (shape, memory format, cut into blocks): every branch of _sums.bl
 
 @pytest.mark.parametrize(("shape", "memory_format", "cut"), LAYOUTS)
 def test_blocked_sums_equal_float64_sums_in_every_layout(shape, memory_format, cut):
-    from distsync import _sums
+    from distsync._syncbn import sums as _sums
 
     gen = torch.Generator().manual_seed(0)
     z, dy = (torch.randn(shape, generator=gen) + 0.3 for _ in range(2))

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import distsync
-from distsync import _transport
+from distsync._syncbn import transport as _transport
 from distsync.testing import run_world
 
 

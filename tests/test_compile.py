@@ -11,7 +11,7 @@ from bn_subclasses import ActNorm2d
 from torch import nn
 
 import distsync
-from distsync import _compiled
+from distsync._syncbn import compiled as _compiled
 from distsync.testing import run_world
 
 FULLGRAPH = _compiled.TRACEABLE

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import distsync
-from distsync._identity import layer_path
+from distsync._syncbn.identity import layer_path
 from distsync.batchnorm import DistSyncSyncBatchNorm
 
 

@@ -9,7 +9,8 @@ import torch
 from cuda_emulation import EmulatedCudaKernels, cuda_path_on_cpu
 
 import distsync
-from distsync import _health, _kernels
+from distsync._syncbn import health as _health
+from distsync._syncbn import kernels as _kernels
 from distsync.check import Case, default_cases, run_case, tolerance
 from distsync.errors import SyncError, SyncMismatchError
 from distsync.testing import run_world
@@ -130,7 +131,7 @@ def test_emulated_ops_raise_where_the_cuda_kernels_do():
 def _captured(rank, world_size, steps):
     """Steps 'captured' (the runtime says a capture is under way) then checked by check_sync(); at the
     last captured step rank 1 calls the other layer."""
-    from distsync._trace import fake_runtime
+    from distsync._syncbn.trace import fake_runtime
 
     with cuda_path_on_cpu(), fake_runtime() as runtime:
         model = torch.nn.Sequential(distsync.DistSyncBatchNorm1d(4), distsync.DistSyncBatchNorm1d(4))
@@ -153,8 +154,8 @@ def test_captured_calls_do_no_host_work_and_are_checked_by_check_sync():
 
 def _runtime_pending(ready_after: int):
     """A monitor fed 2 * lag CPU tails with fake streams whose events are ready after ``ready_after``."""
-    from distsync import _identity
-    from distsync._trace import FakeRuntime
+    from distsync._syncbn import identity as _identity
+    from distsync._syncbn.trace import FakeRuntime
 
     class Slow(FakeRuntime):
         def record(self, stream):

@@ -9,7 +9,13 @@ import pytest
 from elastic_fns import all_ranks_devices
 
 import distsync
-from distsync.devices import DeviceSet, nproc_on, split_devices, this_process_devices, visible_devices
+from distsync.launching.devices import (
+    DeviceSet,
+    nproc_on,
+    split_devices,
+    this_process_devices,
+    visible_devices,
+)
 
 
 def _ids(sets: list[DeviceSet]) -> list[tuple]:

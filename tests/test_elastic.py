@@ -23,7 +23,7 @@ from elastic_fns import end_as, fail_on_rank_one, flush_at_exit, put_rank, rank_
 from launching import ROOT, job_env, run_job
 
 import distsync
-from distsync.elastic import LaunchError
+from distsync.launching.elastic import LaunchError
 
 
 def test_launch_runs_in_process_under_an_elastic_agent(monkeypatch):

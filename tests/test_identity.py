@@ -9,7 +9,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import distsync
-from distsync._identity import (
+from distsync._syncbn.identity import (
     CALL,
     IDENTITY,
     MAX_WORLD_SIZE,
@@ -21,7 +21,7 @@ from distsync._identity import (
     layer_path,
     payload_size,
 )
-from distsync._moments import verdict
+from distsync._syncbn.moments import verdict
 from distsync.testing import run_world
 
 

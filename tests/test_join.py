@@ -20,7 +20,7 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 import distsync
-from distsync import _transport
+from distsync._syncbn import transport as _transport
 from distsync.testing import run_world
 
 

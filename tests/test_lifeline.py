@@ -72,7 +72,7 @@ def test_child_dies_with_its_sigkilled_parent(mechanism):
     child = textwrap.dedent(
         f"""
         import time
-        from distsync import lifeline
+        from distsync.launching import lifeline
         if {mechanism == "watchdog"}:
             lifeline._PR_SET_PDEATHSIG = 0  # an invalid prctl option: the watchdog thread alone
         lifeline.die_with_parent(poll_interval=0.2)

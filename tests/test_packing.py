@@ -1,4 +1,4 @@
-"""Packed sweeps: jobs side by side, each in a job process on its own devices (distsync._packing), and
+"""Packed sweeps: jobs side by side, each in a job process on its own devices (launching.packing), and
 ``hydra.launcher.n_jobs`` end to end through the example app."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from launching import ROOT, job_env, run_job
 
-from distsync._packing import run_packed
-from distsync.devices import DeviceSet
+from distsync.launching.devices import DeviceSet
+from distsync.launching.packing import run_packed
 
 SLOTS = [DeviceSet("cpu", (0,)), DeviceSet("cpu", (1,))]
 

@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.utils.checkpoint
 
-from distsync import _checkpointing, _launch_agent, _torch_compat
+from distsync import _torch_compat
+from distsync._syncbn import checkpointing as _checkpointing
+from distsync.launching import agent as _launch_agent
 from distsync.testing import run_world
 
 
@@ -188,7 +190,7 @@ def test_hydra_argument_parser_that_the_training_command_reads():
 def test_the_agent_variables_a_worker_keeps_are_those_torchs_agent_sets():
     from torch.distributed.elastic.agent.server import local_elastic_agent
 
-    from distsync._launch_worker import AGENT_VARIABLES
+    from distsync.launching.worker import AGENT_VARIABLES
 
     source = inspect.getsource(local_elastic_agent.LocalElasticAgent._start_workers)
     tree = ast.parse(textwrap.dedent(source))

@@ -13,7 +13,7 @@ import pytest
 from launching import FAST, SCRIPT, job_env, run_job
 
 import distsync
-from distsync.elastic import NonRetryableError
+from distsync.launching.elastic import NonRetryableError
 from distsync.train import DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig
 from distsync.train.build import check_buildable
 from distsync.train.config import ConfigError

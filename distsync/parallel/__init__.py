@@ -6,11 +6,11 @@ torchrun + ``DistributedDataParallel`` is the way forward (``docs/migration.md``
 
 from torch import nn
 
-from ..batchnorm import DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
-from ..convert import convert_sync_batchnorm
-from .comm import FutureResult, SlavePipe, SyncMaster
-from .data_parallel import DataParallelCriterion, DataParallelModel
-from .replicate import (
+from distsync.batchnorm import DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
+from distsync.convert import convert_sync_batchnorm
+from distsync.parallel.comm import FutureResult, SlavePipe, SyncMaster
+from distsync.parallel.data_parallel import DataParallelCriterion, DataParallelModel
+from distsync.parallel.replicate import (
     CallbackContext,
     DataParallelWithCallback,
     ReplicationCallbackDataParallel,
@@ -18,14 +18,14 @@ from .replicate import (
     execute_replication_callbacks,
     patch_replication_callback,
 )
-from .sync_batchnorm import (
+from distsync.parallel.sync_batchnorm import (
     SynchronizedBatchNorm1d,
     SynchronizedBatchNorm2d,
     SynchronizedBatchNorm3d,
     patch_sync_batchnorm,
     set_sbn_eps_mode,
 )
-from .transport import ReplicaReducer
+from distsync.parallel.transport import ReplicaReducer
 
 __all__ = [
     "CallbackContext",

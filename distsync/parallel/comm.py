@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
-from ..errors import SyncError
+from distsync.errors import SyncError
 
 __all__ = ["FutureResult", "SlavePipe", "SyncMaster"]
 

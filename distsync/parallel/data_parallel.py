@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import parallel_apply
 
-from .replicate import ReplicationCallbackDataParallel
+from distsync.parallel.replicate import ReplicationCallbackDataParallel
 
 __all__ = ["DataParallelCriterion", "DataParallelModel"]
 

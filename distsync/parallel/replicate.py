@@ -14,7 +14,7 @@ from typing import Any
 
 from torch import nn
 
-from .comm import SyncMaster
+from distsync.parallel.comm import SyncMaster
 
 __all__ = [
     "CallbackContext",

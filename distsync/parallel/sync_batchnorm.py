@@ -15,7 +15,12 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ..batchnorm import DistSyncBatchNorm, DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyncBatchNorm3d
+from distsync.batchnorm import (
+    DistSyncBatchNorm,
+    DistSyncBatchNorm1d,
+    DistSyncBatchNorm2d,
+    DistSyncBatchNorm3d,
+)
 
 __all__ = [
     "SynchronizedBatchNorm1d",

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._transport import ProcessGroupReducer, process_group_reducer
-from .comm import SlavePipe, SyncMaster
+from distsync._syncbn.transport import ProcessGroupReducer, process_group_reducer
+from distsync.parallel.comm import SlavePipe, SyncMaster
 
 __all__ = ["ReplicaReducer", "replica_reducer", "REPLICA_SYNC_TIMEOUT"]
 
@@ -40,7 +40,8 @@ class _ReplicaGroup:
 
 
 class ReplicaReducer:
-    """A :class:`~distsync._transport.Reducer` for one copy of a layer replicated by ``nn.DataParallel``.
+    """A :class:`~distsync._syncbn.transport.Reducer` for one copy of a layer that ``nn.DataParallel``
+    replicated.
 
     ``all_reduce`` blocks until every copy of the layer in this process has sent its payload for the same
     call, then returns the sum over copies (and over the ranks of the process group, if any). Payloads

@@ -4,9 +4,16 @@ The package has no Hydra dependency except :mod:`distsync.train.launcher`, which
 schema and starts the elastic launches; :func:`run` is the worker every rank executes.
 """
 
-from .config import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig
-from .model import SmallCNN, build_model
-from .worker import run
+from distsync.train.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    TrainerConfig,
+)
+from distsync.train.model import SmallCNN, build_model
+from distsync.train.worker import run
 
 __all__ = [
     "ConfigError",

@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from .config import ConfigError, TrainConfig
-from .data import batches_per_epoch, load_data
-from .model import build_model
-from .optim import build_optimizer, build_scheduler
-from .streaming import first_input
-from .targets import TARGET, instantiate
+from distsync.train.config import ConfigError, TrainConfig
+from distsync.train.data import batches_per_epoch, load_data
+from distsync.train.model import build_model
+from distsync.train.optim import build_optimizer, build_scheduler
+from distsync.train.streaming import first_input
+from distsync.train.targets import TARGET, instantiate
 
 __all__ = ["building", "check_buildable", "check_builtin_data"]
 

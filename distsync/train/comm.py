@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import TrainerConfig
+from distsync.train.config import TrainerConfig
 
 __all__ = ["CommSetup"]
 

@@ -9,9 +9,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from .config import ConfigError, DataConfig
-from .stretch import Stretch, one_step_stretches
-from .targets import instantiate
+from distsync.train.config import ConfigError, DataConfig
+from distsync.train.stretch import Stretch, one_step_stretches
+from distsync.train.targets import instantiate
 
 __all__ = [
     "Split",

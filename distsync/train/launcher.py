@@ -33,11 +33,18 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from .build import check_buildable, check_builtin_data
-from .config import ConfigError, TrainConfig
-from .resume import check_resume
-from .rundir import LOCK_NAME, RECORD_NAME, RunDirBusy, RunDirLock, keep_hydra_record, restore_hydra_record
-from .targets import check_targets
+from distsync.train.build import check_buildable, check_builtin_data
+from distsync.train.config import ConfigError, TrainConfig
+from distsync.train.resume import check_resume
+from distsync.train.rundir import (
+    LOCK_NAME,
+    RECORD_NAME,
+    RunDirBusy,
+    RunDirLock,
+    keep_hydra_record,
+    restore_hydra_record,
+)
+from distsync.train.targets import check_targets
 
 __all__ = [
     "register_configs",
@@ -319,7 +326,7 @@ def hydra_main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
     if under_torchrun():  # an external torchrun (prepare_argv refused -m there), or hydra/launcher=torchrun
-        from .worker import run
+        from distsync.train.worker import run
 
         summary = run(train_cfg, run_dir)
     else:
@@ -383,10 +390,9 @@ def launch(cfg: TrainConfig, run_dir: str) -> dict:
     Workers that die are restarted together up to ``trainer.max_restarts`` times and resume from the
     newest checkpoint.
     """
-    from distsync.elastic import LaunchError, check_options
-    from distsync.elastic import launch as elastic_launch
-
-    from .worker import run
+    from distsync.launching.elastic import LaunchError, check_options
+    from distsync.launching.elastic import launch as elastic_launch
+    from distsync.train.worker import run
 
     t = cfg.trainer
     options = dict(
@@ -453,7 +459,7 @@ def _lock_for_workers(cfg: TrainConfig, run_dir: str) -> RunDirLock | None:
     of the world. With several nodes the agents of the other nodes may share the directory (a shared
     filesystem), so there rank 0's worker takes the lock instead, as under an external torchrun.
     """
-    from .checkpoint import load_newest_checkpoint
+    from distsync.train.checkpoint import load_newest_checkpoint
 
     os.makedirs(run_dir, exist_ok=True)
     if cfg.trainer.nnodes > 1:

@@ -6,9 +6,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import distsync
-
-from .config import ModelConfig
-from .targets import instantiate
+from distsync.train.config import ModelConfig
+from distsync.train.targets import instantiate
 
 __all__ = ["SmallCNN", "build_model", "all_norms_synced", "batch_norms"]
 

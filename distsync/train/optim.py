@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from .config import TrainConfig
-from .targets import instantiate
+from distsync.train.config import TrainConfig
+from distsync.train.targets import instantiate
 
 __all__ = ["build_optimizer", "build_scheduler"]
 

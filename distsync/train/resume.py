@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .config import ConfigError
+from distsync.train.config import ConfigError
 
 __all__ = ["ResumeError", "OPERATIONAL", "config_changes", "check_resume"]
 

@@ -13,18 +13,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .checkpoint import (
+from distsync.train.checkpoint import (
     load_checkpoint,
     load_newest_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
-from .collectives import broadcast_object, gather_object
-from .resume import ResumeError, check_resume
+from distsync.train.collectives import broadcast_object, gather_object
+from distsync.train.resume import ResumeError, check_resume
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from distsync.train.trainer import Trainer
 
 __all__ = ["resume_training", "save_training_state"]
 

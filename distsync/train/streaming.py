@@ -31,10 +31,9 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import distsync
 from distsync.distributed import is_distributed
-
-from .collectives import all_reduce
-from .config import ConfigError, TrainConfig
-from .stretch import Stretch
+from distsync.train.collectives import all_reduce
+from distsync.train.config import ConfigError, TrainConfig
+from distsync.train.stretch import Stretch
 
 __all__ = ["StreamBatches", "check_streaming", "first_input", "is_stream"]
 

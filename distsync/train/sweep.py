@@ -20,8 +20,8 @@ import yaml
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 
-from .metrics import MetricsLog, finite_series, loss_axis, write_json_atomic, write_text_atomic
-from .rundir import LOCK_NAME
+from distsync.train.metrics import MetricsLog, finite_series, loss_axis, write_json_atomic, write_text_atomic
+from distsync.train.rundir import LOCK_NAME
 
 __all__ = ["SweepSummary", "summarize_sweep"]
 

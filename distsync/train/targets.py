@@ -14,7 +14,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .config import ConfigError
+from distsync.train.config import ConfigError
 
 __all__ = ["TARGET", "is_node", "import_target", "check_node", "check_targets", "instantiate"]
 
@@ -121,7 +121,10 @@ def check_targets(cfg) -> None:
         if node:
             check_node(node, key, positional)
     if cfg.data.train:
-        from .streaming import check_streaming, is_stream  # lazy: streaming imports the trainer's modules
+        from distsync.train.streaming import (  # lazy: streaming imports the trainer's modules
+            check_streaming,
+            is_stream,
+        )
 
         if is_stream(import_target(cfg.data.train[TARGET])):  # a dataset class; a factory is checked later
             check_streaming(cfg)

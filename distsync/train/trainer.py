@@ -24,23 +24,22 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import distsync
-from distsync._launch_worker import NonRetryableError
 from distsync.distributed import get_rank, get_world_size, is_distributed, no_buffer_broadcast
-
-from .build import building
-from .checkpoint import remove_stale_temporaries
-from .collectives import all_gather_object, all_reduce
-from .comm import CommSetup
-from .config import TrainConfig
-from .data import LoaderBatches, ShardedBatches, build_datasets, load_data
-from .evaluation import bn_buffers_in_sync, evaluate
-from .logs import console_quiet, init_logger
-from .metrics import MetricsLog, plot_curves, write_json_atomic
-from .model import all_norms_synced, build_model
-from .optim import build_optimizer, build_scheduler
-from .state import resume_training, save_training_state
-from .streaming import StreamBatches, check_streaming, first_input, is_stream
-from .targets import instantiate
+from distsync.launching.worker import NonRetryableError
+from distsync.train.build import building
+from distsync.train.checkpoint import remove_stale_temporaries
+from distsync.train.collectives import all_gather_object, all_reduce
+from distsync.train.comm import CommSetup
+from distsync.train.config import TrainConfig
+from distsync.train.data import LoaderBatches, ShardedBatches, build_datasets, load_data
+from distsync.train.evaluation import bn_buffers_in_sync, evaluate
+from distsync.train.logs import console_quiet, init_logger
+from distsync.train.metrics import MetricsLog, plot_curves, write_json_atomic
+from distsync.train.model import all_norms_synced, build_model
+from distsync.train.optim import build_optimizer, build_scheduler
+from distsync.train.state import resume_training, save_training_state
+from distsync.train.streaming import StreamBatches, check_streaming, first_input, is_stream
+from distsync.train.targets import instantiate
 
 __all__ = ["Trainer", "FINAL_LOSS_STEPS", "KILL_AT_STEP_ENV"]
 
@@ -105,7 +104,7 @@ class Trainer:
         """Data, model, loss, optimizer and schedule, with the outcome decided on every rank.
 
         A config error makes every rank fail alike, and would on every restart: then every rank raises
-        :class:`~distsync.elastic.NonRetryableError` and :func:`distsync.launch` does not restart the
+        :class:`~distsync.NonRetryableError` and :func:`distsync.launch` does not restart the
         world. A failure on some ranks only (a file missing on one node) stays an ordinary one.
         """
         failure = None

@@ -20,13 +20,18 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import distsync
 from distsync.distributed import get_rank, get_world_size, is_distributed
-from distsync.lifeline import die_with_parent
-
-from .collectives import broadcast_object
-from .config import TrainConfig
-from .resume import ResumeError
-from .rundir import RunDirBusy, RunDirLock, held_by_launcher, keep_hydra_record, restore_hydra_record
-from .trainer import Trainer
+from distsync.launching.lifeline import die_with_parent
+from distsync.train.collectives import broadcast_object
+from distsync.train.config import TrainConfig
+from distsync.train.resume import ResumeError
+from distsync.train.rundir import (
+    RunDirBusy,
+    RunDirLock,
+    held_by_launcher,
+    keep_hydra_record,
+    restore_hydra_record,
+)
+from distsync.train.trainer import Trainer
 
 __all__ = ["run"]
 
@@ -41,7 +46,7 @@ def run(cfg: TrainConfig, run_dir: str) -> dict:
     (:mod:`distsync.train.resume`), trains until ``trainer.max_steps``, and on rank 0 writes
     ``metrics.jsonl``, checkpoints, ``summary.json`` and ``curves.png`` under ``run_dir``. Every rank
     returns the same summary (all its values are reduced across ranks). Started by an elastic agent, the
-    process dies with the agent (:func:`~distsync.lifeline.die_with_parent`).
+    process dies with the agent (:func:`~distsync.launching.lifeline.die_with_parent`).
 
     Args:
         cfg: the resolved configuration (a plain dataclass, picklable)

@@ -10,7 +10,7 @@ one run directory for all ranks, ``HydraConfig`` in the workers, rank 0's return
 A job whose workers fail is recorded as failed; the other jobs of the batch still run.
 
 With ``hydra.launcher.n_jobs`` > 1 up to that many jobs of a batch run at once, each in a process of its
-own (:mod:`distsync._packing` says why) and each world on devices of its own: ``nproc_per_node`` GPUs per job
+own (:mod:`~distsync.launching.packing`) and each world on devices of its own: ``nproc_per_node`` GPUs per job
 (``CUDA_VISIBLE_DEVICES``), or on a machine without GPUs an equal share of the cores (CPU affinity). The
 split is :func:`distsync.devices.split_devices`; ``n_jobs=1``, the default, runs the jobs one after the other
 in this process, on every device, as before.
@@ -63,7 +63,7 @@ ConfigStore.instance().store(
 
 
 def _run_as_world(task_function: TaskFunction, options: dict[str, Any], cfg: DictConfig) -> Any:
-    from distsync.elastic import launch
+    from distsync.launching.elastic import launch
 
     return launch(task_function, cfg, **options)
 
@@ -80,13 +80,13 @@ class TorchrunLauncher(Launcher):
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
         if self.options.get("start_method", "forkserver") == "forkserver" and self.options.get("n_jobs") == 1:
-            from distsync.elastic import start_fork_server
+            from distsync.launching.elastic import start_fork_server
 
             start_fork_server()  # its imports overlap the sweep's setup (a packed job starts its own)
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
-        from distsync.elastic import check_options
+        from distsync.launching.elastic import check_options
 
         try:  # once, before any job: one line, rather than one failed job after another
             check_options(**self._options_for(initial_job_idx))
@@ -119,7 +119,7 @@ class TorchrunLauncher(Launcher):
         there can be, for the split of the devices. With ``n_jobs=1`` the jobs run one after the other here.
         """
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
-        from distsync.elastic import check_options
+        from distsync.launching.elastic import check_options
 
         try:
             check_options(**self._options_for(initial_job_idx))
@@ -137,7 +137,7 @@ class TorchrunLauncher(Launcher):
                 finished(idx, self._run_job(idx, self._sweep_config(idx, overrides), None))
                 configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
             return
-        from distsync._packing import run_as_slots_free
+        from distsync.launching.packing import run_as_slots_free
 
         where = "GPUs" if slots[0].kind == "cuda" else "cores"
         log.info(f"Launching jobs as {len(slots)} slots free, each a torchrun world on its own {where}")
@@ -182,7 +182,7 @@ class TorchrunLauncher(Launcher):
 
     def _slots(self, jobs: int) -> Optional[list]:  # noqa: UP045
         """The device sets of the jobs running at once; None to run the jobs one after the other here."""
-        from distsync.devices import split_devices, this_process_devices
+        from distsync.launching.devices import split_devices, this_process_devices
 
         n_jobs = self.options.get("n_jobs", 1)
         n_jobs = int(n_jobs) if str(n_jobs).isdigit() else n_jobs
@@ -208,7 +208,7 @@ class TorchrunLauncher(Launcher):
         return slots if len(slots) > 1 else None  # one job at a time: here, on every device, as n_jobs=1
 
     def _launch_packed(self, job_overrides, initial_job_idx: int, slots: list) -> list[JobReturn]:
-        from distsync._packing import run_packed
+        from distsync.launching.packing import run_packed
 
         where = "GPUs" if slots[0].kind == "cuda" else "cores"
         log.info(

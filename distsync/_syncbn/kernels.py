@@ -14,7 +14,7 @@ same merged statistics; they differ in the kernels that touch the activation:
 * Every other device (MPS, XPU, ...) gets :class:`GenericKernels`: reductions and elementwise ops every
   backend implements, the same payload, no host sync.
 
-Off the CPU the verdict of a call is read later (``deferred``, see :mod:`distsync._health`): reading it at
+Off the CPU the verdict of a call is read later (``deferred``, see :mod:`.health`): reading it at
 once would stall the device's queue. Tests route the CPU through other kernels with :func:`routed`.
 """
 
@@ -27,8 +27,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from . import _sums
-from ._moments import stat_dtype
+from distsync._syncbn import sums as _sums
+from distsync._syncbn.moments import stat_dtype
 
 _HALF = (torch.float16, torch.bfloat16)
 

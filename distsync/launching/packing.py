@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from .devices import DeviceSet
+from distsync.launching.devices import DeviceSet
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -173,7 +173,7 @@ def _forget_the_launchers_fork_server() -> None:
 
 def _terminated_with_launcher() -> None:
     """SIGTERM this job process when the launcher exits (``PR_SET_PDEATHSIG``): its agent then stops its
-    workers as on any SIGTERM. Not :func:`distsync.lifeline.die_with_parent`, which arms once per process:
+    workers as on any SIGTERM. Not :func:`.lifeline.die_with_parent`, which arms once per process:
     workers forked from here (``start_method=fork``) would inherit it armed, for the wrong parent."""
     import ctypes
 

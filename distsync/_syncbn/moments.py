@@ -18,7 +18,7 @@ E[x-K]^2`` cancels only what ``|mean - K|`` makes it cancel. The second block is
 division gives the mean, the biased and the unbiased variance. Backward sends the local sums of its gradient
 formula.
 
-The tail (see :mod:`distsync._identity`) carries the count, a rejected-input flag and the call identity
+The tail (see :mod:`distsync._syncbn.identity`) carries the count, a rejected-input flag and the call identity
 folded so that every rank reaches the same verdict from the same reduced numbers without reading them:
 :func:`running_stat_weight` turns the verdict into the weight of the running-statistics update on the
 device, and :func:`verdict` decodes it on the host when the numbers are read.
@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ._identity import (
+from distsync._syncbn.identity import (
     CALL,
     COUNT,
     DIRECTION,
@@ -42,7 +42,7 @@ from ._identity import (
     TAIL,
     CallTag,
 )
-from .errors import SyncError, SyncMismatchError
+from distsync.errors import SyncError, SyncMismatchError
 
 
 class Stats(NamedTuple):

@@ -5,8 +5,8 @@
 Hydra's state across: the config is resolved once, here, so ``${now:...}`` and ``${hydra:...}`` read the same
 on every rank; ``HydraConfig.get()`` works in the workers; every rank logs to ``<job dir>/logs/rank<N>.log``.
 This module checks the options and the rendezvous, starts the agent and turns what it returns into rank 0's
-value or a :class:`LaunchError`; the workers' side is :mod:`distsync._launch_worker`, the agent's additions
-:mod:`distsync._launch_agent`, and workers die with their agent through :mod:`distsync.lifeline`.
+value or a :class:`LaunchError`; the workers' side is :mod:`distsync.launching.worker`, the agent's additions
+:mod:`distsync.launching.agent`, and workers die with their agent through :mod:`distsync.launching.lifeline`.
 
 This module imports Hydra and OmegaConf only when it is handed a ``DictConfig`` or runs inside a Hydra job:
 ``import distsync`` stays free of both.
@@ -26,10 +26,10 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from ._launch_worker import NonRetryableError
+from distsync.launching.worker import NonRetryableError
 
 if TYPE_CHECKING:
-    from .devices import DeviceSet
+    from distsync.launching.devices import DeviceSet
 
 __all__ = [
     "LaunchError",
@@ -169,8 +169,8 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from ._launch_agent import WorldNotRestarted, ranks_ending_watched
-    from ._launch_worker import WorkerSetup, main_import_deferred, pack, run_rank
+    from distsync.launching.agent import WorldNotRestarted, ranks_ending_watched
+    from distsync.launching.worker import WorkerSetup, main_import_deferred, pack, run_rank
 
     check_options(
         nproc_per_node=nproc_per_node,
@@ -181,7 +181,7 @@ def launch(
         rdzv_endpoint=rdzv_endpoint,
     )
     if devices is not None:
-        from .devices import nproc_on
+        from distsync.launching.devices import nproc_on
 
         nproc_per_node = nproc_on(devices, nproc_per_node)
     min_nodes, max_nodes = _parse_nnodes(nnodes)
@@ -415,7 +415,7 @@ def _resolved_for_workers(cfg: Any) -> Any:
         from omegaconf import DictConfig, ListConfig
 
         if isinstance(cfg, DictConfig | ListConfig):
-            from ._launch_worker import resolved_copy
+            from distsync.launching.worker import resolved_copy
 
             return resolved_copy(cfg)
     return cfg
@@ -423,7 +423,7 @@ def _resolved_for_workers(cfg: Any) -> Any:
 
 def _launch_error(error, max_restarts: int) -> LaunchError:
     """The failed ranks of torch's ``ChildFailedError``, and the ranks that had ended without a result."""
-    from ._launch_agent import describe, reported
+    from distsync.launching.agent import describe, reported
 
     failures = {
         rank: (failure.exitcode, describe(failure.exitcode, reported(failure)))
@@ -437,8 +437,8 @@ def _launch_error(error, max_restarts: int) -> LaunchError:
 
 def _rank_zeros_value(results: dict[int, Any]) -> Any:
     """What the lowest rank of this node returned; a :class:`LaunchError` if it ended without a result."""
-    from ._launch_agent import NoResult, describe
-    from ._launch_worker import Pickled
+    from distsync.launching.agent import NoResult, describe
+    from distsync.launching.worker import Pickled
 
     if not results:  # an elastic agent that stopped without running workers
         raise LaunchError("the elastic agent returned no result from any worker")

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import _compiled, _moments
-from ._identity import CallTag
-from .errors import SyncError
+from distsync._syncbn import compiled as _compiled
+from distsync._syncbn import moments as _moments
+from distsync._syncbn.identity import CallTag
+from distsync.errors import SyncError
 
 __all__ = ["check_sync"]
 

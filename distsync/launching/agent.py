@@ -38,7 +38,7 @@ class NoResult:
 
 
 class WorldNotRestarted(Exception):
-    """Raised out of the agent when a rank failed with :class:`~distsync.elastic.NonRetryableError`: the
+    """Raised out of the agent when a rank failed with :class:`~distsync.NonRetryableError`: the
     agent stops its workers and gives up at once, whatever restarts were left."""
 
     def __init__(self, message: str, failures: dict[int, tuple[int, str]]) -> None:

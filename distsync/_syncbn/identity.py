@@ -61,7 +61,7 @@ MIN_PAYLOAD = 256
 
 def payload_size(num_channels: int) -> int:
     """Length of a sync payload for ``num_channels`` channels: ``3C + TAIL`` rounded up to its size class,
-    a power of two of at least ``MIN_PAYLOAD`` (see :mod:`distsync._moments`)."""
+    a power of two of at least ``MIN_PAYLOAD`` (see :mod:`distsync._syncbn.moments`)."""
     return max(MIN_PAYLOAD, 1 << (3 * num_channels + TAIL - 1).bit_length())
 
 

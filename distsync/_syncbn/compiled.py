@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _moments, _torch_compat
-from ._identity import (
+from distsync import _torch_compat
+from distsync._syncbn import moments as _moments
+from distsync._syncbn.identity import (
     CALL,
     COUNT,
     FORWARD,
@@ -39,7 +40,7 @@ from ._identity import (
     call_modulus,
     payload_size,
 )
-from ._unwrapped import warn_if_unwrapped
+from distsync._syncbn.unwrapped import warn_if_unwrapped
 
 __all__ = ["TRACEABLE", "prepare", "register", "sync_batch_norm"]
 

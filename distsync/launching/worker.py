@@ -30,15 +30,15 @@ from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from distsync.lifeline import die_with_parent
+from distsync.launching.lifeline import die_with_parent
 
 _PEER_FAILURE_GRACE_S = 1.0  # a failed worker waits this long before it exits (see run_rank)
 
 
 class NonRetryableError(RuntimeError):
     """Raised by ``fn`` on every rank for a failure that restarting the world would only repeat (a bad
-    config found while building the model): :func:`~distsync.elastic.launch` stops the world at once,
-    without using a restart, and raises :class:`~distsync.elastic.LaunchError` with this message. Under an
+    config found while building the model): :func:`~distsync.launch` stops the world at once,
+    without using a restart, and raises :class:`~distsync.LaunchError` with this message. Under an
     external ``torchrun`` it is an ordinary failure: torchrun's agent restarts on any failure. Defined on the
     workers' side, where it is raised; exported as ``distsync.NonRetryableError``."""
 
@@ -197,7 +197,7 @@ def _by_reference(fn: Callable) -> Any:
 
 class WorkerSetup:
     """What a worker needs of the launching process: the Hydra job's hydra node (resolved), the log
-    directory, the devices of the world (a :class:`~distsync.devices.DeviceSet`, or None) and how to
+    directory, the devices of the world (a :class:`~distsync.launching.devices.DeviceSet`, or None) and how to
     import the launching script."""
 
     def __init__(self, hydra_cfg: Any, log_dir: str | None, devices: Any = None) -> None:
@@ -337,7 +337,7 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
     rank = int(os.environ.get("RANK", "0"))
     try:
         if setup.devices is not None:  # before fn and its config touch CUDA or start torch's threads
-            from distsync.devices import pin_process
+            from distsync.launching.devices import pin_process
 
             pin_process(setup.devices)
         _rank_zero_only_from_environment(rank)
@@ -445,7 +445,7 @@ def _rank_zero_only_from_environment(rank: int) -> None:
 def _tell_agent(why: str, *, rank: int | None = None, retry: bool = True) -> None:
     """Write why this rank ends into the error file that the elastic agent reads for a rank without a
     result (torch's JSON layout, with the traceback being handled if any); ``retry=False`` asks the agent
-    not to restart the world (:class:`~distsync.elastic.NonRetryableError`)."""
+    not to restart the world (:class:`~distsync.launching.elastic.NonRetryableError`)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return

@@ -21,8 +21,11 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import TorchFunctionMode
 
-from . import _checkpointing, _compiled, _fx, _torch_compat
-from .batchnorm import BatchNormNd, DistSyncBatchNorm
+from distsync import _torch_compat
+from distsync._syncbn import checkpointing as _checkpointing
+from distsync._syncbn import compiled as _compiled
+from distsync._syncbn import fx as _fx
+from distsync.batchnorm import BatchNormNd, DistSyncBatchNorm
 
 __all__ = ["original_class", "twin_class"]
 

@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _torch_compat
+from distsync import _torch_compat
 
 if TYPE_CHECKING:
-    from ._identity import SyncState
+    from distsync._syncbn.identity import SyncState
 
 
 class Call(NamedTuple):

@@ -17,7 +17,7 @@ import warnings
 import torch
 from torch import nn
 
-from ._identity import calling_modules, is_wrapper_slot
+from distsync._syncbn.identity import calling_modules, is_wrapper_slot
 
 __all__ = ["warn_if_unwrapped"]
 

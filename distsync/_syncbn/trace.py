@@ -9,7 +9,7 @@ CUDA path uses; :func:`fake_cuda_world` registers shape-only ones for the trace.
 Used by ``tests/test_cuda_trace.py`` and ``benchmarks/cuda_trace.py`` (which also traces
 ``nn.SyncBatchNorm``, whose ``batch_norm_stats`` and ``batch_norm_gather_stats_with_counts`` get
 shape-only kernels here too). Without a driver no stream, event or capture query can run either:
-:func:`fake_runtime` stands in for the few runtime calls of ``distsync._health``.
+:func:`fake_runtime` stands in for the few runtime calls of ``distsync._syncbn.health``.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class FakeEvent:
 
 
 class FakeRuntime:
-    """The runtime calls of ``distsync._health`` without a driver: streams are named, events are
+    """The runtime calls of ``distsync._syncbn.health`` without a driver: streams are named, events are
     :class:`FakeEvent`, capture is off unless ``capturing`` is set; ``launches`` logs every copy."""
 
     def __init__(self) -> None:
@@ -158,8 +158,8 @@ class FakeRuntime:
 
 @contextlib.contextmanager
 def fake_runtime() -> Iterator[FakeRuntime]:
-    """Route ``distsync._health``'s runtime calls to a :class:`FakeRuntime` inside the block."""
-    from . import _health
+    """Route ``distsync._syncbn.health``'s runtime calls to a :class:`FakeRuntime` inside the block."""
+    from distsync._syncbn import health as _health
 
     runtime, previous = FakeRuntime(), _health._device
     _health._device = runtime

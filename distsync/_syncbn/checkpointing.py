@@ -29,8 +29,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor
 
-from . import _torch_compat
-from ._moments import Stats
+from distsync import _torch_compat
+from distsync._syncbn.moments import Stats
 
 __all__ = ["OUTSIDE", "CheckpointError", "Regions", "regions", "replaying"]
 

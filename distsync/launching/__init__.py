@@ -1,0 +1,16 @@
+"""The launch layer: a function or Hydra app run as a torchrun world, and sweeps packed onto devices.
+
+``elastic`` is :func:`distsync.launch` (an elastic agent in this process, workers forked or spawned from
+it); ``agent`` holds what it adds to torch's agent (watching ranks, naming failures); ``worker`` is what
+each rank runs before the user's function (the config, the rank in the environment, the result back);
+``packing`` runs several worlds at once on disjoint slots; ``devices`` splits GPUs or cores into those
+slots; ``lifeline`` makes a worker die with its parent. The Hydra plugin
+(``hydra_plugins/distsync_torchrun_launcher``) and the packaged job (``distsync.train``) build on it.
+See docs/architecture.md.
+"""
+
+from distsync.launching.devices import DeviceSet, split_devices
+from distsync.launching.elastic import LaunchError, launch
+from distsync.launching.worker import NonRetryableError
+
+__all__ = ["DeviceSet", "LaunchError", "NonRetryableError", "launch", "split_devices"]
