@@ -86,6 +86,7 @@ def test_sweep_runs_one_world_per_job_and_goes_on_past_a_failed_one(tmp_path):
     rows = json.loads((sweep / "sweep_summary.json").read_text())["jobs"]
     assert [(r["job"], r["status"]) for r in rows] == [("0", "done"), ("1", "failed"), ("2", "done")]
     assert rows[0]["accuracy"] == summary(jobs[0])["accuracy"] and "optim.lr=0.05" in rows[2]["overrides"]
+    assert f"sweep summary (rewritten as each job ends): {sweep / 'sweep_summary.md'}" in proc.stdout
     table = (sweep / "sweep_summary.md").read_text().splitlines()
     assert table[0] == "Overrides of every job: " + " ".join(["trainer.max_steps=10", *FAST])
     assert len(table) == 2 + 2 + 3 and "| 1 | optim.lr=inf | failed |" in table[5]
@@ -117,6 +118,43 @@ def test_sigterm_stops_the_whole_sweep_and_leaves_the_job_resumable(tmp_path):
     assert run_job(shlex.split(resume[0].removeprefix("to resume: ")), tmp_path).returncode == 0
     assert summary(sweep / "0")["resumed_from_step"] >= 10
     assert summary(sweep / "1")["resumed_from_step"] is None
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.slow
+def test_an_interrupt_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, signum):
+    """Ctrl-C or a scheduler's SIGTERM: every rank saves the step it reached (no periodic checkpoint here),
+    and the same run directory then finishes with the numbers of a run that was never interrupted."""
+    job = [
+        "trainer.max_steps=400",
+        "trainer.log_every=5",
+        "trainer.eval_every=1000",
+        "trainer.monitor_interval=0.2",
+    ]
+    job.append("trainer.checkpoint_every=1000")
+    straight, run_dir = tmp_path / "straight", tmp_path / "run"
+    assert run_job([sys.executable, str(SCRIPT), f"hydra.run.dir={straight}", *job], tmp_path).returncode == 0
+    args = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", *job]
+    with (tmp_path / "err").open("w") as err:
+        proc = subprocess.Popen(args, cwd=tmp_path, env=job_env(), stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + 120
+        while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signum)  # the launcher's agent passes SIGTERM on to the workers
+        code = proc.wait(timeout=90)
+    assert code == 128 + signum, (tmp_path / "err").read_text()[-3000:]
+    (saved,) = (run_dir / "checkpoints").glob("step_*.pt")
+    step = int(saved.stem.removeprefix("step_"))
+    assert 5 <= step < 400 and step % 5 == 0  # at a logging step, after the signal
+    assert (
+        f"stopped by {signal.Signals(signum).name} at step {step}"
+        in (run_dir / "logs" / "rank1.log").read_text()
+    )
+    assert run_job(args, tmp_path).returncode == 0
+    resumed, reference = summary(run_dir), summary(straight)
+    assert resumed["resumed_from_step"] == step and resumed["steps"] == 400
+    for key in ("final_loss", "accuracy", "eval_loss"):
+        assert resumed[key] == reference[key], key
 
 
 @pytest.mark.slow

@@ -52,6 +52,38 @@ def test_jobs_come_back_in_order_each_failure_alone_and_slots_never_shared():
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == handlers  # given back
 
 
+def _talks(k: int, slot: DeviceSet) -> int:
+    """Writes from this process and from a worker it starts, to both streams, a line in two pieces, and
+    ends with a line without its newline."""
+    print(f"out {k} a", flush=True)
+    print(f"err {k} a", file=sys.stderr, flush=True)
+    code = f"import sys; print('out {k} worker'); sys.stderr.write('err {k} worker no newline')"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    sys.stdout.write(f"out {k} ")
+    sys.stdout.flush()
+    time.sleep(0.2)  # the other job writes meanwhile
+    sys.stdout.write(f"b\nout {k} last")
+    sys.stdout.flush()
+    return k
+
+
+def test_every_line_of_a_packed_job_carries_its_tag(capfd):
+    ended = run_packed(
+        [functools.partial(_talks, k) for k in range(2)], SLOTS, tag=lambda k: f"[job {k + 5}] "
+    )
+    assert [e.value for e in ended] == [0, 1]
+    out, err = capfd.readouterr()
+    for k in range(2):
+        tag = f"[job {k + 5}] "
+        assert sorted(line for line in out.splitlines() if line.startswith(tag)) == sorted(
+            [f"{tag}out {k} a", f"{tag}out {k} worker", f"{tag}out {k} b", f"{tag}out {k} last"]
+        )
+        assert sorted(line for line in err.splitlines() if line.startswith(tag)) == sorted(
+            [f"{tag}err {k} a", f"{tag}err {k} worker no newline"]
+        )
+    assert all(line.startswith("[job ") for line in out.splitlines() + err.splitlines() if line)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_stops_every_running_job_and_starts_no_other(tmp_path, signum):
     script = Path(__file__).parent / "packing_script.py"
@@ -115,6 +147,12 @@ def test_a_packed_sweep_runs_two_jobs_at_a_time_on_disjoint_cores(tmp_path):
     assert len(lines) == 4 and re.fullmatch(r"\t#0 : lr=0.05 fail_on_rank=-1 steps=10 on core \d+", lines[0])
     for job in (0, 2):  # the jobs that did not fail trained to the end
         assert "held-out accuracy" in (app / "multirun" / str(job) / "logs" / "rank0.log").read_text()
+    # On the console, each job's lines (its workers' included) carry its number
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "held-out accuracy" in line]
+    assert said and {line.split("] ", 1)[0] + "]" for line in said} == {"[job 0]", "[job 2]"}
+    failed = [line for line in proc.stderr.splitlines() if "rank 0 fails on purpose" in line]
+    assert any(line.startswith("[job 1] ") for line in failed)  # in the job's own lines, where it happened
+    assert not any(line.startswith(("[job 0] ", "[job 2] ")) for line in failed)
 
 
 @pytest.mark.slow

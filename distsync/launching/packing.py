@@ -32,14 +32,21 @@ import pickle
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from distsync.launching.devices import DeviceSet
+from distsync.launching.tagged_output import TaggedOutput
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_OUTPUT_GRACE_S = 5.0  # how long the last output of ended jobs is waited for (a stray process holding it)
+
+
+def job_tag(k: int) -> str:
+    return f"[job {k}] "
 
 
 @dataclass
@@ -56,11 +63,13 @@ def run_packed(
     jobs: Sequence[Callable[[DeviceSet], Any]],
     slots: Sequence[DeviceSet],
     started: Callable[[int, DeviceSet], None] = lambda k, slot: None,
+    tag: Callable[[int], str] = job_tag,
 ) -> list[Ended]:
     """Run ``jobs[k](slot)`` each in a forked process, at most ``len(slots)`` at once, each on a slot of
     its own; return how each ended, in job order.
 
-    ``started(k, slot)`` is called in this process as job ``k`` starts. Raises ``SystemExit(128 + signal)``
+    ``started(k, slot)`` is called in this process as job ``k`` starts; every console line of job ``k``
+    (its workers' included) comes out of this process behind ``tag(k)``. Raises ``SystemExit(128 + signal)``
     after SIGINT/SIGTERM stopped the running jobs (none starts after it), and ``SystemExit(code)`` once
     every job ended if a job process exited with a non-zero code of its own (no job starts after it).
     """
@@ -73,7 +82,7 @@ def run_packed(
     def finished(k: int, how: Ended) -> None:
         ended[k] = how
 
-    run_as_slots_free(next_job, slots, started, finished)
+    run_as_slots_free(next_job, slots, started, finished, tag)
     return ended  # type: ignore[return-value]
 
 
@@ -82,18 +91,20 @@ def run_as_slots_free(
     slots: Sequence[DeviceSet],
     started: Callable[[int, DeviceSet], None] = lambda k, slot: None,
     finished: Callable[[int, Ended], None] = lambda k, how: None,
+    tag: Callable[[int], str] = job_tag,
 ) -> None:
     """Whenever a slot is free, ask ``next_job()`` for ``(k, job)`` (None: no more jobs now) and run
     ``job(slot)`` in a forked process on that slot; ``finished(k, how)`` as each job ends, in the order
     they end. So jobs start the moment a slot frees, and what the next job is may depend on how the ones
-    before ended (an asynchronous sweep). Returns once no job runs and ``next_job()`` has none; signals
-    and exit codes as :func:`run_packed`.
+    before ended (an asynchronous sweep). Returns once no job runs and ``next_job()`` has none; signals,
+    exit codes and the jobs' tagged output as :func:`run_packed`.
     """
     if not slots:
         raise ValueError("run_packed needs at least one slot")
     forking = multiprocessing.get_context("fork")
     free = list(slots)
     running: dict[Connection, tuple[int, multiprocessing.process.BaseProcess, DeviceSet]] = {}
+    outputs: dict[int, TaggedOutput] = {}  # by pipe fd, until the pipe's end
     exit_code = 0
     exhausted = False
     with _stop_on_signals(lambda: [proc for _, proc, _ in running.values()]) as stop:
@@ -106,20 +117,27 @@ def run_as_slots_free(
                 k, fn = job
                 slot = free.pop(0)
                 reader, writer = forking.Pipe(duplex=False)
-                proc = forking.Process(target=_job_process, args=(fn, slot, writer), name=f"job-{k}")
+                output = TaggedOutput(tag(k))
+                proc = forking.Process(target=_job_process, args=(fn, slot, writer, output), name=f"job-{k}")
                 started(k, slot)
                 proc.start()
                 writer.close()
+                output.forked()
+                outputs.update(dict.fromkeys(output.fds(), output))
                 running[reader] = (k, proc, slot)
                 stop.reach(proc)  # a signal that came while it was starting
             if not running:
                 break
-            for reader in wait(list(running)):
+            for reader in wait([*running, *outputs]):
+                if isinstance(reader, int):
+                    _relay(outputs, reader)
+                    continue
                 k, proc, slot = running.pop(reader)  # type: ignore[call-overload]
                 how = _collect(reader, proc)  # type: ignore[arg-type]
                 exit_code = exit_code or how.exit_code
                 free.insert(_slot_order(slots, free, slot), slot)
                 finished(k, how)
+    _drain(outputs)
     if stop.signum:
         name = signal.Signals(stop.signum).name
         print(f"hydra/launcher=torchrun: stopped by {name}; every running job was stopped", file=sys.stderr)
@@ -137,8 +155,31 @@ def _slot_order(slots: Sequence[DeviceSet], free: list[DeviceSet], slot: DeviceS
 # ---------------------------------------------------------------------------------------- job process
 
 
-def _job_process(job: Callable[[DeviceSet], Any], slot: DeviceSet, writer: Connection) -> None:
-    """The job process: its own process group, dies with the launcher, runs the job, sends how it ended."""
+def _relay(outputs: dict[int, TaggedOutput], fd: int) -> None:
+    output = outputs[fd]
+    output.relay(fd)
+    if fd not in output.fds():
+        del outputs[fd]
+
+
+def _drain(outputs: dict[int, TaggedOutput]) -> None:
+    """The ended jobs' last lines, until every pipe's end; those a stray process still holds after
+    :data:`_OUTPUT_GRACE_S` are closed."""
+    deadline = time.monotonic() + _OUTPUT_GRACE_S
+    while outputs and time.monotonic() < deadline:
+        for fd in wait(list(outputs), timeout=max(0.0, deadline - time.monotonic())):
+            _relay(outputs, fd)  # type: ignore[arg-type]
+    for output in set(outputs.values()):
+        output.close()
+    outputs.clear()
+
+
+def _job_process(
+    job: Callable[[DeviceSet], Any], slot: DeviceSet, writer: Connection, output: TaggedOutput
+) -> None:
+    """The job process: its own process group, dies with the launcher, writes its console lines into its
+    tagged pipes, runs the job, sends how it ended."""
+    output.become_job_output()
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     _forget_the_launchers_fork_server()

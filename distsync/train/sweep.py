@@ -37,10 +37,15 @@ class SweepSummary(Callback):
 
     def on_job_end(self, config, job_return, **kwargs: Any) -> None:
         if config.hydra.mode == RunMode.MULTIRUN:
+            path = Path(config.hydra.sweep.dir) / "sweep_summary.md"
+            new = not path.exists()
             summarize_sweep(config.hydra.sweep.dir)
+            if new and path.exists():  # said once, when the first job ends: a sweep may end in a failure
+                print(f"sweep summary (rewritten as each job ends): {path}", flush=True)
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
-        summarize_sweep(config.hydra.sweep.dir)
+        if summarize_sweep(config.hydra.sweep.dir) is not None:
+            print(f"sweep summary: {Path(config.hydra.sweep.dir) / 'sweep_summary.md'}", flush=True)
 
 
 def summarize_sweep(sweep_dir: str | os.PathLike) -> list[dict] | None:

@@ -33,6 +33,7 @@ from distsync.train.comm import CommSetup
 from distsync.train.config import TrainConfig
 from distsync.train.data import LoaderBatches, ShardedBatches, build_datasets, load_data
 from distsync.train.evaluation import bn_buffers_in_sync, evaluate
+from distsync.train.interrupt import StopRequests
 from distsync.train.logs import console_quiet, init_logger
 from distsync.train.metrics import MetricsLog, plot_curves, write_json_atomic
 from distsync.train.model import all_norms_synced, build_model
@@ -92,6 +93,7 @@ class Trainer:
         self.recent_losses = torch.full((FINAL_LOSS_STEPS,), math.nan, dtype=torch.float64, device=device)
         self.seconds_before = 0.0  # of the attempts up to the checkpoint resumed from
         self.training_since: float | None = None  # when this attempt's first step began
+        self.stop = StopRequests()  # Ctrl-C/SIGTERM while training: a checkpoint at the next logging step
         local_states = self._resume()
         self.ddp = self._wrap_ddp()
         self.forward = torch.compile(self.ddp) if t.compile else self.ddp
@@ -196,7 +198,7 @@ class Trainer:
             return json.loads(finished.read_text())
         self.training_since = time.time()
         bar = _progress_bar(t.max_steps, self.step, enabled=self.rank == 0 and t.progress)
-        with console_quiet(bar is not None):  # with a bar, INFO lines go to the rank's file only
+        with console_quiet(bar is not None), self.stop:  # with a bar, INFO lines go to the rank's file only
             self._train(bar)
         if bar is not None:
             bar.close()
@@ -245,8 +247,13 @@ class Trainer:
         if log or evaluate or checkpoint:
             distsync.check_sync()  # deferred GPU-side errors surface before anything is logged or saved
         if log:
-            self._log_train(loss_sum, bar)  # the mean loss of every rank's steps since the last log
+            stopping = self._log_train(
+                loss_sum, bar
+            )  # the mean loss of every rank's steps since the last log
             loss_sum.zero_()
+            if stopping:  # some rank got Ctrl-C or SIGTERM: every rank saves this step, then ends
+                self._checkpoint()
+                self.stop.end(step, self.log)
         if evaluate and self.pruned(self._evaluate()):
             return
         if checkpoint:
@@ -274,9 +281,13 @@ class Trainer:
         self.scaler.update()
         return total
 
-    def _log_train(self, loss_sum: torch.Tensor, bar) -> None:
-        all_reduce(loss_sum)
-        loss = (loss_sum[0] / loss_sum[1]).item()  # the mean over the steps since the last row
+    def _log_train(self, loss_sum: torch.Tensor, bar) -> bool:
+        """Log the mean loss over the ranks' steps since the last row; return whether any rank was asked to
+        stop (learned in the same all-reduce: no collective of its own)."""
+        reduced = torch.cat([loss_sum, loss_sum.new_tensor([1.0 if self.stop.signum else 0.0])])
+        all_reduce(reduced)
+        total, count, stopping = reduced.tolist()
+        loss = total / count  # the mean over the steps since the last row
         lr = self.scheduler.get_last_lr()[0]
         row = {
             "kind": "train",
@@ -290,6 +301,7 @@ class Trainer:
         if bar is not None:
             bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
         self.log.info(_fmt(row))
+        return stopping > 0
 
     def _evaluate(self) -> dict[str, float]:
         """Held-out metrics (after precise BN if asked), logged and written to ``metrics.jsonl``."""

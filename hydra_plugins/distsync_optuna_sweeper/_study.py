@@ -1,21 +1,7 @@
-"""What ``hydra/sweeper=distsync_optuna`` does: an Optuna study on current Optuna whose trials never wait.
-
-Imported by :mod:`.sweeper` only when the sweeper is chosen, so that Hydra's plugin scan of every app run
-does not need Optuna.
-
-With distsync's launcher (``hydra/launcher=torchrun``, ``hydra.launcher.n_jobs`` > 1) a trial starts the
-moment a slot (its GPUs or cores) is free, through Optuna's ask/tell: a long trial holds its slot alone,
-the others go on. With any other launcher (Hydra's basic one, submitit) trials run in batches of ``n_jobs``
-as the launcher takes them. The study lives in Optuna's own storage (a journal file in the sweep dir by
-default, or ``storage=``: an RDB URL or ``journal:<file>``), so a killed sweep resumes with the same
-``storage`` and ``study_name``, and a trial's world reports to it directly: :func:`distsync.report` and
-:func:`distsync.should_prune` (rank 0 asks the configured pruner, every rank gets the answer).
-
-Trials that fail are told as failed and the study goes on; at the end the sweep exits non-zero if more
-than ``max_failure_rate`` of them failed. ``n_trials`` counts the study's finished trials (completed,
-pruned, failed), those of an earlier, interrupted run of the same study included. The sweep dir gets
-``optimization_results.yaml`` (as Hydra's Optuna sweeper writes it), ``optuna_trials.md`` (every trial:
-state, values, parameters, job dir; pruned ones marked) and, in each job dir, ``trial.yaml``.
+"""What ``hydra/sweeper=distsync_optuna`` does (see :mod:`.sweeper` for the behaviour): the study, its
+trials asked as slots free and told as they end, the search space read from Hydra's override syntax, and
+the results written to the sweep dir. Imported by :mod:`.sweeper` only when the sweeper is chosen, so that
+Hydra's plugin scan of every app run does not need Optuna.
 """
 
 from __future__ import annotations

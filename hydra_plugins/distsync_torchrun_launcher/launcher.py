@@ -208,7 +208,7 @@ class TorchrunLauncher(Launcher):
         return slots if len(slots) > 1 else None  # one job at a time: here, on every device, as n_jobs=1
 
     def _launch_packed(self, job_overrides, initial_job_idx: int, slots: list) -> list[JobReturn]:
-        from distsync.launching.packing import run_packed
+        from distsync.launching.packing import job_tag, run_packed
 
         where = "GPUs" if slots[0].kind == "cuda" else "cores"
         log.info(
@@ -229,6 +229,7 @@ class TorchrunLauncher(Launcher):
             ],
             slots,
             started,
+            tag=lambda k: job_tag(jobs[k][0]),  # the job's number in the sweep, as the lines above say
         )
         return [_job_return(overrides, end) for (_, overrides), end in zip(jobs, ended, strict=True)]
 

@@ -1,0 +1,56 @@
+"""Ctrl-C and SIGTERM while training: noted, and acted on by every rank together with a checkpoint.
+
+A scheduler's SIGTERM (SLURM's preemption, torchrun's agent stopping its workers) or a terminal's Ctrl-C
+reaches each rank at a different point of its step. A rank that ended at once would lose the steps since
+the last checkpoint. Instead each rank notes the signal and trains on; at the next logging step the ranks
+learn, in the all-reduce that averages the logged loss, whether any of them was asked to stop, and then
+every rank saves the checkpoint at that step and ends as the signal meant (exit code 130 or 143). Until
+then further signals are noted too (the agent's SIGTERM follows a terminal's Ctrl-C); the agent's SIGKILL
+after its grace period (30 s by default) is the hard stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from typing import Any, NoReturn
+
+__all__ = ["StopRequests"]
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequests:
+    """While entered (in the main thread), SIGINT and SIGTERM are noted in :attr:`signum` instead of ending
+    the process; the previous handlers come back on exit."""
+
+    def __init__(self) -> None:
+        self.signum = 0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {signum: signal.signal(signum, self._note) for signum in _SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous = {}
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.signum = self.signum or signum
+
+    def end(self, step: int, log: logging.Logger) -> NoReturn:
+        """End this rank after the stop's checkpoint: KeyboardInterrupt for Ctrl-C, else SystemExit(128 +
+        the signal) (SIGTERM for a rank that only learned of its peers' signal)."""
+        signum = self.signum or signal.SIGTERM
+        log.warning(
+            "stopped by %s at step %d, after saving a checkpoint there: the same run directory resumes it",
+            signal.Signals(signum).name,
+            step,
+        )
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
