@@ -312,6 +312,8 @@ def test_the_wheel_alone_runs_the_training_job(tmp_path):
         [python, "-c", "import distsync; print(distsync.__file__)"], cwd=work, capture_output=True
     )
     assert str(ROOT) not in where.stdout.decode() and str(venv) in where.stdout.decode()  # not the checkout
+    check = run_job([python, "-m", "distsync.check", "--nproc", "2"], work)
+    assert check.returncode == 0 and "12 passed, 0 failed" in check.stdout
     help_text = run_job([venv / "bin" / "distsync-train", "--help"], work).stdout
     assert "trainer: default, fast" in help_text
     (doc,) = re.findall(r"Every key is described in (\S+)\.\n", help_text)
