@@ -133,7 +133,7 @@ def run_as_slots_free(
                     _relay(outputs, reader)
                     continue
                 k, proc, slot = running.pop(reader)  # type: ignore[call-overload]
-                how = _collect(reader, proc)  # type: ignore[arg-type]
+                how = _collect(reader, proc, lambda: _relay_ready(outputs, 0.05))  # type: ignore[arg-type]
                 exit_code = exit_code or how.exit_code
                 free.insert(_slot_order(slots, free, slot), slot)
                 finished(k, how)
@@ -160,6 +160,15 @@ def _relay(outputs: dict[int, TaggedOutput], fd: int) -> None:
     output.relay(fd)
     if fd not in output.fds():
         del outputs[fd]
+
+
+def _relay_ready(outputs: dict[int, TaggedOutput], timeout: float) -> None:
+    """Relay what the jobs' pipes have within ``timeout`` seconds."""
+    if not outputs:
+        time.sleep(timeout)
+        return
+    for fd in wait(list(outputs), timeout=timeout):
+        _relay(outputs, fd)  # type: ignore[arg-type]
 
 
 def _drain(outputs: dict[int, TaggedOutput]) -> None:
@@ -246,14 +255,20 @@ def _dumps(outcome: tuple[str, Any]) -> bytes:
     return pickle.dumps(("error", RuntimeError(message)))
 
 
-def _collect(reader: Connection, proc: multiprocessing.process.BaseProcess) -> Ended:
-    """How a job whose process sent something, or ended, ended."""
+def _collect(
+    reader: Connection, proc: multiprocessing.process.BaseProcess, while_waiting: Callable[[], None]
+) -> Ended:
+    """How a job whose process sent something, or ended, ended. While its process exits, ``while_waiting``
+    keeps the jobs' output flowing (a process blocked on a full pipe would never exit)."""
     try:
         data: bytes | None = reader.recv_bytes()
     except (EOFError, OSError):
         data = None
     reader.close()
-    proc.join()
+    proc.join(0.05)
+    while proc.exitcode is None:
+        while_waiting()
+        proc.join(0.05)
     if data is None:
         return Ended(error=RuntimeError(f"the job's process ended without a result ({_how(proc.exitcode)})"))
     try:
