@@ -247,9 +247,7 @@ class Trainer:
         if log or evaluate or checkpoint:
             distsync.check_sync()  # deferred GPU-side errors surface before anything is logged or saved
         if log:
-            stopping = self._log_train(
-                loss_sum, bar
-            )  # the mean loss of every rank's steps since the last log
+            stopping = self._log_train(loss_sum, bar)  # the mean loss of the steps since the last log
             loss_sum.zero_()
             if stopping:  # some rank got Ctrl-C or SIGTERM: every rank saves this step, then ends
                 self._checkpoint()
