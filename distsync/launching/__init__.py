@@ -3,8 +3,9 @@
 ``elastic`` is :func:`distsync.launch` (an elastic agent in this process, workers forked or spawned from
 it); ``agent`` holds what it adds to torch's agent (watching ranks, naming failures); ``worker`` is what
 each rank runs before the user's function (the config, the rank in the environment, the result back);
-``packing`` runs several worlds at once on disjoint slots; ``devices`` splits GPUs or cores into those
-slots; ``lifeline`` makes a worker die with its parent. The Hydra plugin
+``packing`` runs several worlds at once on disjoint slots, each job's console lines tagged by
+``tagged_output``; ``devices`` splits GPUs or cores into those slots; ``lifeline`` makes a worker die with
+its parent. The Hydra plugin
 (``hydra_plugins/distsync_torchrun_launcher``) and the packaged job (``distsync.train``) build on it.
 See docs/architecture.md.
 """
