@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import subprocess
 import sys
 import tarfile
@@ -32,7 +33,8 @@ CASES = [  # (input shape, dtype): the benchmark's headline layer rows and its f
 
 
 def extract_base(rev: str, into: Path) -> None:
-    """Write ``distsync/`` of ``rev`` to ``into/distsync_base`` (its modules import each other relatively)."""
+    """Write ``distsync/`` of ``rev`` to ``into/distsync_base``, its imports of itself renamed to match (older
+    revisions import their modules relatively, newer ones by ``distsync.``: both stay within the base)."""
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", rev, "distsync"], capture_output=True, check=True
     ).stdout
@@ -42,6 +44,12 @@ def extract_base(rev: str, into: Path) -> None:
         with tarfile.open(fileobj=tar_file) as tar:
             tar.extractall(into, filter="data")
     (into / "distsync").rename(into / "distsync_base")
+    for module in (into / "distsync_base").rglob("*.py"):
+        text = module.read_text()
+        renamed = re.sub(r"^(\s*)import distsync$", r"\1import distsync_base as distsync", text, flags=re.M)
+        renamed = re.sub(r"^(\s*)from distsync(?=[.\s])", r"\1from distsync_base", renamed, flags=re.M)
+        if renamed != text:
+            module.write_text(renamed)
 
 
 def _fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor):
