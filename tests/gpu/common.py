@@ -209,6 +209,16 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor, unit: float = 0
     return difference / scale
 
 
+def model_errors(reference: torch.nn.Module, model: torch.nn.Module) -> dict[str, float]:
+    """``model``'s parameter gradients and buffers against ``reference``'s (one architecture), by name."""
+    found = {}
+    for (name, expected), actual in zip(reference.named_parameters(), model.parameters(), strict=True):
+        found[f"{name} grad"] = relative_error(actual.grad, expected.grad)
+    for (name, expected), actual in zip(reference.named_buffers(), model.buffers(), strict=True):
+        found[name] = relative_error(actual, expected, unit=1.0)  # a running mean after BN is ~0
+    return found
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import torch
-from common import Findings, rank_device, relative_error, small_convnet
+from common import Findings, model_errors, rank_device, relative_error, small_convnet
 
 import distsync
 from distsync.testing import run_world
@@ -56,10 +56,7 @@ def _compiled_vs_eager(rank: int, world_size: int, device: str) -> tuple[dict[st
         if step == 0:
             first_step = time.perf_counter() - started
         found = {"output": relative_error(out_c, out_e), "input grad": relative_error(xc.grad, xe.grad)}
-        for (name, pe), pc in zip(eager.named_parameters(), compiled_model.parameters(), strict=True):
-            found[f"{name} grad"] = relative_error(pc.grad, pe.grad)
-        for (name, be), bc in zip(eager.named_buffers(), compiled_model.buffers(), strict=True):
-            found[name] = relative_error(bc, be, unit=1.0)  # a running mean after BN is ~0
+        found.update(model_errors(eager, compiled_model))
         for key, value in found.items():
             worst[key] = max(worst.get(key, 0.0), value)
     graphs = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

@@ -17,6 +17,7 @@ from common import (
     GroupOfOne,
     TorchSyncPath,
     Twin,
+    model_errors,
     one_rank_world,
     plain_convnet,
     relative_error,
@@ -133,11 +134,7 @@ def cuda_graph(findings: Findings, device: str) -> None:
             graph.replay()
             eager.zero_grad(set_to_none=True)
             out = step(eager, x)
-            found = {"output": relative_error(static_out, out)}
-            for (name, p), q in zip(eager.named_parameters(), graphed.parameters(), strict=True):
-                found[f"{name} grad"] = relative_error(q.grad, p.grad)
-            for (name, b), c in zip(eager.named_buffers(), graphed.buffers(), strict=True):
-                found[name] = relative_error(c, b, unit=1.0)  # a running mean after BN is ~0
+            found = {"output": relative_error(static_out, out), **model_errors(eager, graphed)}
             for key, value in found.items():
                 worst[key] = max(worst.get(key, 0.0), value)
         torch.cuda.synchronize()
