@@ -1,16 +1,14 @@
 """Activation checkpointing: a recomputed synced layer reuses its call's statistics, bit for bit."""
 
-import functools
-
 import pytest
 import torch
 from bn_subclasses import ActNorm2d
+from collective_count import counted_all_reduces
 from cuda_emulation import cuda_path_on_cpu
 from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import distsync
-from distsync._syncbn import transport as _transport
 from distsync.testing import run_world
 
 
@@ -46,16 +44,7 @@ def _steps(rank, world_size, use_checkpoint, cuda_path=False, steps=3):
     if cuda_path:  # the CUDA path's code on CPU tensors: the recomputed call found on the "device"
         with cuda_path_on_cpu():
             return _steps(rank, world_size, use_checkpoint, False, steps)
-    calls = []
-    original = _transport.ProcessGroupReducer.all_reduce
-
-    @functools.wraps(original)
-    def counted(self, payload):
-        calls.append(payload.numel())
-        return original(self, payload)
-
-    _transport.ProcessGroupReducer.all_reduce = counted
-    try:
+    with counted_all_reduces() as calls:
         model = _Net(use_checkpoint)
         results = []
         for step in range(steps):
@@ -68,8 +57,6 @@ def _steps(rank, world_size, use_checkpoint, cuda_path=False, steps=3):
         # ActNorm2d's own call counter counts the recomputation too, as its forward says: left out
         buffers = [b.clone() for name, b in model.named_buffers() if name != "act.calls"]
         return results, buffers, len(calls)
-    finally:
-        _transport.ProcessGroupReducer.all_reduce = original
 
 
 def _all_modes(rank, world_size, cuda_path):
@@ -144,15 +131,7 @@ def _sequential_repeating_a_batch(rank, world_size, mode):
 
 def _many_calls_one_empty_rank(rank, world_size, mode):
     """A block calling one layer 20 times; rank 1's batch is empty. Counts the all-reduces."""
-    calls = []
-    original = _transport.ProcessGroupReducer.all_reduce
-
-    def counted(self, payload):
-        calls.append(payload.numel())
-        return original(self, payload)
-
-    _transport.ProcessGroupReducer.all_reduce = counted
-    try:
+    with counted_all_reduces() as calls:
         torch.manual_seed(0)
         bn, lin = distsync.DistSyncBatchNorm1d(5), nn.Linear(5, 5)
 
@@ -165,8 +144,6 @@ def _many_calls_one_empty_rank(rank, world_size, mode):
         out = _checkpointed(block, mode, x)
         out.sum().backward()
         return [out.detach(), x.grad, bn.weight.grad, lin.weight.grad, bn.running_var], len(calls)
-    finally:
-        _transport.ProcessGroupReducer.all_reduce = original
 
 
 def _per_mode(rank, world_size, case):

@@ -7,7 +7,6 @@ with (the joined ones followed).
 """
 
 import copy
-import functools
 import gc
 import io
 import weakref
@@ -15,12 +14,12 @@ import weakref
 import pytest
 import torch
 import torch.utils.checkpoint
+from collective_count import counted_all_reduces
 from torch import nn
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 
 import distsync
-from distsync._syncbn import transport as _transport
 from distsync.testing import run_world
 
 
@@ -212,19 +211,8 @@ def test_after_a_join_the_model_copies_pickles_and_the_joinable_is_freed(throw):
 
 def _collectives(rank, world_size, counts):
     """All-reduces per step of the synced layers, by the ranks still training."""
-    calls = []
-    original = _transport.ProcessGroupReducer.all_reduce
-
-    @functools.wraps(original)
-    def counted(self, payload):
-        calls.append(payload.numel())
-        return original(self, payload)
-
-    _transport.ProcessGroupReducer.all_reduce = counted
-    try:
+    with counted_all_reduces() as calls:
         _train(rank, world_size, counts)
-    finally:
-        _transport.ProcessGroupReducer.all_reduce = original
     return len(calls)
 
 
