@@ -1,8 +1,13 @@
+import warnings
+
 import _vision
+import leftover_processes
+import machine_state
 import pytest
 import torch
 
 _vision.ensure_importable()  # torchvision's models importable beside the CPU torch (see _vision.py)
+_WATCHING = leftover_processes.watch()  # orphans of the tests' processes become this process's children
 
 
 def pytest_collection_modifyitems(config, items):
@@ -12,3 +17,41 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test():
+    """Whatever a test started and left running is killed when it ends, and named in a warning: it would
+    otherwise slow every later test down to its timeout (see leftover_processes)."""
+    if not _WATCHING:
+        yield
+        return
+    before = leftover_processes.running_descendants()
+    yield
+    leaked = leftover_processes.kill_new(before)
+    if leaked:
+        listing = "\n".join(f"  {pid}: {cmd[:300]}" for pid, cmd in leaked.items())
+        warnings.warn(f"killed {len(leaked)} process(es) the test left running:\n{listing}", stacklevel=1)
+
+
+_config = None
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
+
+
+def pytest_runtest_logreport(report):
+    """Say each failure as it happens, with what the machine has left: a run cut off by a time limit never
+    prints pytest's summary, and a failure caused by the machine is told apart from one caused by the code."""
+    if not report.failed:
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)
+    reason = (
+        crash.message.splitlines()[0][:300] if crash is not None and crash.message else "(see the summary)"
+    )
+    terminal = _config.pluginmanager.get_plugin("terminalreporter") if _config is not None else None
+    if terminal is not None:
+        terminal.write("\n")  # off the line of progress marks
+        terminal.write_line(f"FAILED {report.nodeid} ({report.when}): {reason} [{machine_state.describe()}]")
