@@ -19,13 +19,11 @@ import time
 from pathlib import Path
 
 _PR_SET_CHILD_SUBREAPER = 36
-# Helpers that live as long as the test process by design: multiprocessing's forkserver and resource tracker
-# (run_world starts ranks from the forkserver), and Inductor's pool of compile workers.
-_LONG_LIVED = (
-    "multiprocessing.forkserver",
-    "multiprocessing.resource_tracker",
-    "torch._inductor.compile_worker",
-)
+# Helpers that live as long as the test process by design. multiprocessing's forkserver and resource tracker,
+# children of the test process: the forkserver's own children are the ranks of run_world's worlds, and are
+# looked at. Inductor's pool of compile workers, with the workers it forks (its module path on older torch).
+_OWN_HELPERS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+_POOLS = ("torch._inductor.compile_worker", "torch/_inductor/compile_worker/")
 _GRACE_S = 5.0  # a process told to stop as its test ended gets this long to go by itself
 
 
@@ -53,9 +51,10 @@ def command(pid: int) -> str:
         return ""
 
 
-def running_descendants(root: int | None = None) -> set[int]:
-    """The processes below ``root`` (this one by default) that have not ended; zombies among this process's
-    own children are reaped on the way (an orphan that ended after it was reparented here has no one else)."""
+def running_descendants(root: int | None = None) -> dict[int, int]:
+    """The processes below ``root`` (this one by default) that have not ended, each with its parent; zombies
+    among this process's own children are reaped on the way (an orphan that ended after it was reparented
+    here has no one else to reap it)."""
     root = os.getpid() if root is None else root
     parents: dict[int, list[int]] = {}
     states: dict[int, str] = {}
@@ -63,11 +62,12 @@ def running_descendants(root: int | None = None) -> set[int]:
         if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
             parents.setdefault(stat[0], []).append(int(entry.name))
             states[int(entry.name)] = stat[1]
-    found, todo = set(), [root]
+    found, todo = {}, [root]
     while todo:
-        for child in parents.get(todo.pop(), ()):
+        parent = todo.pop()
+        for child in parents.get(parent, ()):
             if states[child] != "Z":
-                found.add(child)
+                found[child] = parent
                 todo.append(child)
             elif root == os.getpid():
                 _reap(child)
@@ -81,16 +81,20 @@ def _reap(pid: int) -> None:
         pass
 
 
-def _long_lived(pid: int) -> bool:
-    return any(name in command(pid) for name in _LONG_LIVED)
+def _long_lived(pid: int, parent: int) -> bool:
+    line = command(pid)
+    if any(name in line for name in _POOLS):
+        return True
+    return parent == os.getpid() and any(name in line for name in _OWN_HELPERS)
 
 
-def kill_new(before: set[int]) -> dict[int, str]:
+def kill_new(before: dict[int, int]) -> dict[int, str]:
     """Kill what runs below this process now and did not before (but the long-lived helpers); return the
     command line of each process that had to be killed."""
     deadline = time.monotonic() + _GRACE_S
     while True:
-        new = {pid for pid in running_descendants() - before if not _long_lived(pid)}
+        now = running_descendants()
+        new = {pid for pid, parent in now.items() if pid not in before and not _long_lived(pid, parent)}
         if not new or time.monotonic() > deadline:
             break
         time.sleep(0.1)
