@@ -44,6 +44,12 @@ def _stat(pid: int) -> tuple[int, str] | None:
     return int(fields[1]), fields[0]
 
 
+def alive(pid: int) -> bool:
+    """Running: neither gone nor a zombie waiting for its parent (or a non-reaping init) to collect it."""
+    stat = _stat(pid)
+    return stat is not None and stat[1] not in ("Z", "X")
+
+
 def command(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from launching import job_env
+from leftover_processes import alive
 
 import distsync
 from distsync import distributed
@@ -54,14 +55,6 @@ def run_world(out_dir: Path, endings: list[str], destroy: bool) -> list[subproce
 
 def worker_pids(out_dir: Path, rank: int) -> list[int]:
     return [int(path.read_text()) for path in sorted(out_dir.glob(f"worker.{rank}.*"))]
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return state != "Z"
 
 
 def check_rank(out_dir: Path, rank: int, result: subprocess.CompletedProcess, code: int) -> None:

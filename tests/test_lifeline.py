@@ -11,52 +11,21 @@ import time
 from pathlib import Path
 
 import pytest
+from leftover_processes import alive, running_descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
-def _alive(pid: int) -> bool:
-    """Running, and not a zombie waiting for a (possibly non-reaping) init to collect it."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    state = next(line for line in status.splitlines() if line.startswith("State:"))
-    return "zombie" not in state and "dead" not in state
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        kids = _children(todo.pop())
-        out += kids
-        todo += kids
-    return out
-
-
 def _wait_gone(pids: list[int], seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
-        if not alive:
+        running = [p for p in pids if alive(p)]
+        if not running:
             return []
         time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 def _kill_all(pids: list[int]) -> None:
@@ -92,7 +61,7 @@ def test_child_dies_with_its_sigkilled_parent(mechanism):
     proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
     child_pid = int(proc.stdout.readline())
     try:
-        assert _alive(child_pid)
+        assert alive(child_pid)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert _wait_gone([child_pid], 3.0) == []
@@ -113,7 +82,7 @@ def test_multiprocessing_child_dies_with_the_process_that_started_it(start_metho
     try:
         assert child is not None, f"the child did not arm its lifeline: {line!r}"
         time.sleep(1.0)
-        assert _alive(child)
+        assert alive(child)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         assert _wait_gone([child], 5.0) == []
@@ -157,7 +126,7 @@ def test_workers_die_when_the_job_is_sigkilled(tmp_path, launcher):
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # both ranks are training
             assert proc.poll() is None and time.monotonic() < deadline, "the job did not start training"
             time.sleep(0.2)
-        workers = _descendants(proc.pid)
+        workers = list(running_descendants(proc.pid))
         assert len(workers) >= 2
         proc.send_signal(signal.SIGKILL)
         proc.wait()
