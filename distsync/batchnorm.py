@@ -19,7 +19,7 @@ from distsync._syncbn import fx as _fx
 from distsync._syncbn.identity import SyncState
 from distsync._syncbn.transport import Reducer, process_group_reducer
 from distsync._syncbn.unwrapped import warn_if_unwrapped
-from distsync.functional import SyncBatchNormFunction
+from distsync.functional import SyncBatchNormFunction, SyncCall
 from distsync.groups import GroupSpec, as_process_group
 
 __all__ = [
@@ -245,10 +245,18 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
         if getattr(self, "_is_replica", False):  # copied by nn.DataParallel but not wired by the callback
             _warn_unwired_replica()
             return None
-        inside_join = self._sync_state.join
+        state = self._sync_state
+        inside_join = state.join
         if inside_join is not None and inside_join.world_size > 1:
             return inside_join  # DDP's Join: the join's group, calls announced to the ranks that joined
-        return process_group_reducer(self.process_group)
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        # The same group object (the default one: the same until it is destroyed) gives the same reducer.
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        cached = state.transport
+        if cached is None or cached[0] is not group:
+            cached = state.transport = (group, process_group_reducer(self.process_group))
+        return cached[1]
 
     def forward(self, input: Tensor) -> Tensor:
         if _fx.is_proxy(input):  # symbolically traced: one call_module node, like nn.BatchNorm's
@@ -380,21 +388,11 @@ def _apply_sync(
     if state.identity is None:
         state.resolve(layer, layer.num_features)
         warn_if_unwrapped(layer, reducer.world_size)
-    return SyncBatchNormFunction.apply(
-        input,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        num_batches_tracked,
-        momentum,
-        eps,
-        layer.eps_mode == "clamp",
-        channels,
-        reducer,
-        state,
-        problem,
-    )
+    call = SyncCall(
+        running_mean, running_var, num_batches_tracked, momentum, eps, layer.eps_mode == "clamp", channels,
+        reducer, state, problem,
+    )  # fmt: skip
+    return SyncBatchNormFunction.apply(input, weight, bias, call)
 
 
 # torch.compiler.disable, with dynamo imported at the first call (only ever made while compiling) rather

@@ -4,19 +4,37 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from distsync._syncbn import checkpointing as _checkpointing
 from distsync._syncbn import health as _health
+from distsync._syncbn import host as _host
 from distsync._syncbn import moments as _moments
 from distsync._syncbn.identity import BACKWARD, COUNT, FORWARD, CallTag, SyncState, failed_row
 from distsync._syncbn.kernels import cast_if_needed, kernels_for
 from distsync._syncbn.transport import Call, Reducer
 from distsync.errors import SyncError
 
-__all__ = ["SyncBatchNormFunction", "shadow_backward", "shadow_forward", "sync_backward_sums"]
+__all__ = ["SyncBatchNormFunction", "SyncCall", "shadow_backward", "shadow_forward", "sync_backward_sums"]
+
+
+class SyncCall(NamedTuple):
+    """What a synchronized call needs besides its input and parameters (``F.batch_norm``'s other arguments,
+    and who it syncs with)."""
+
+    running_mean: Tensor | None
+    running_var: Tensor | None
+    num_batches_tracked: Tensor | None  # counted by this call (None: its caller counts, or no buffers)
+    momentum: float | None
+    eps: float
+    clip: bool  # eps mode "clamp": sqrt(max(var, eps)) instead of sqrt(var + eps)
+    channels: int
+    reducer: Reducer
+    state: SyncState
+    problem: str | None  # this rank's input is rejected: every participant raises at this call
 
 
 def _all_reduce(reducer: Reducer, payload: Tensor, tag: CallTag) -> None:
@@ -46,19 +64,6 @@ def _check(
     return None
 
 
-def _update_running_stats_read(buffers, momentum: float | None, ends, global_count: int) -> None:
-    """Move the running statistics towards this call's, whose verdict was read on the host (and is
-    healthy: a bad call raised), as ``nn.BatchNorm`` does: by ``momentum`` or ``1 / num_batches_tracked``."""
-    running_mean, running_var, num_batches_tracked = buffers
-    if num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
-    if global_count == 0:  # an empty global batch: no statistics (0 / 0), keep the old ones
-        return
-    weight = momentum if momentum is not None else 1.0 / float(num_batches_tracked)
-    dtype = _buffer_math_dtype(running_mean)
-    _lerp_buffers((running_mean, running_var), (end.to(dtype) for end in ends), weight, dtype)
-
-
 def _buffer_math_dtype(buffer: Tensor) -> torch.dtype:
     return torch.float32 if buffer.dtype in (torch.float16, torch.bfloat16) else buffer.dtype
 
@@ -78,28 +83,6 @@ def _lerp_buffers(buffers, ends, weight: float | Tensor, dtype: torch.dtype) -> 
             buffer.copy_(buffer.to(dtype).mul_(1 - weight).add_(end * weight))
 
 
-def _update_running_stats(
-    state: SyncState, buffers, momentum, payload: Tensor, ends, guard_count: bool
-) -> None:
-    """Move the running statistics towards this call's, by a weight that is 0 for a bad call (decided
-    on the device, from reduced values: the verdict is not read yet)."""
-    running_mean, running_var, num_batches_tracked = buffers
-    dtype = _buffer_math_dtype(running_mean)
-    key = ("weight", running_mean.device, dtype)
-    weight = state.scratch.get(key)
-    if weight is None:
-        weight = state.scratch[key] = torch.zeros(1, dtype=dtype, device=running_mean.device)
-    # num_batches_tracked counts healthy calls only, decided from reduced values: the same on every rank,
-    # the one that rejected its input included (it never gets here, and the call counts on no rank).
-    _moments.running_stat_weight(payload, momentum, weight, num_batches_tracked)
-    mean, var = (end.to(dtype) for end in ends)
-    if guard_count:  # some rank may have had 0 or 1 value: statistics may be NaN, keep the old ones then
-        enough = payload[payload.numel() - _moments.TAIL + COUNT] > 1
-        mean = torch.where(enough, mean, running_mean.to(dtype))
-        var = torch.where(enough, var, running_var.to(dtype))
-    _lerp_buffers((running_mean, running_var), (mean, var), weight, dtype)
-
-
 class SyncBatchNormFunction(torch.autograd.Function):
     """Batch norm whose statistics are those of the union of all participants' batches.
 
@@ -107,127 +90,251 @@ class SyncBatchNormFunction(torch.autograd.Function):
     the two per-channel sums of the gradient formula. The shift only moves on healthy calls, so an empty
     global batch, a NaN/Inf element or an outlier changes no later call's result (``_moments``). Weight and
     bias gradients stay local, like ``nn.SyncBatchNorm``: DistributedDataParallel averages them. Not twice
-    differentiable.
+    differentiable. On the CPU the per-channel arithmetic runs on the host (``_syncbn.host``); on other
+    devices it stays on the device, never read by the host.
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        input: Tensor,
-        weight: Tensor | None,
-        bias: Tensor | None,
-        running_mean: Tensor | None,
-        running_var: Tensor | None,
-        num_batches_tracked: Tensor | None,
-        momentum: float | None,
-        eps: float,
-        clip: bool,
-        num_features: int,
-        reducer: Reducer,
-        state: SyncState,
-        problem: str | None,
-    ) -> Tensor:
+    def forward(ctx, input: Tensor, weight: Tensor | None, bias: Tensor | None, call: SyncCall) -> Tensor:
         kernels = kernels_for(input.device)
-        count = 0 if problem else input.numel() // max(num_features, 1)
-        local = None if problem is not None or count == 0 else kernels.local(input)
-        # Recomputed by activation checkpointing: the original call's statistics, no all-reduce, no update.
-        checkpointed = _checkpointing.regions() if problem is None else _checkpointing.OUTSIDE
-        reduced = None
-        if checkpointed.replaying is not None:
-            stats = checkpointed.replay(state, input)
-        else:
-            call = Call(FORWARD, state, num_features, input.dtype, momentum, eps, running_mean is not None,
-                        num_batches_tracked is not None)  # fmt: skip
-            reduced = _reduce(input, local, count, call, reducer, problem, kernels)
-            stats = reduced.stats
-        checkpointed.log(state, input, stats)
-        normalized = None if local is None else kernels.normalize(local, weight, bias, stats.rows, eps, clip)
-        if reduced is not None and running_mean is not None and running_var is not None:
-            mean, _, unbiased = stats.rows.unbind()
-            ends = (mean, unbiased) if normalized is None else normalized.running
-            buffers = (running_mean, running_var, num_batches_tracked)
-            if reduced.verdict is not None:
-                _update_running_stats_read(buffers, momentum, ends, reduced.verdict.count)
-            else:
-                _update_running_stats(state, buffers, momentum, reduced.payload, ends, guard_count=count <= 1)
         ctx.param_dtype = None if weight is None else weight.dtype
-        ctx.num_features = num_features
-        ctx.reducer, ctx.state, ctx.kernels = reducer, state, kernels
-        if normalized is None:  # nothing on this rank: an empty output; backward sends zeros
-            ctx.empty = True
-            return torch.empty_like(input)
-        ctx.empty = False
-        ctx.eps = normalized.eps
-        ctx.save_for_backward(local.z, weight, stats.count, *normalized.saved)
-        return normalized.output
+        ctx.call, ctx.kernels = call, kernels
+        if kernels.deferred:
+            return _device_forward(ctx, input, weight, bias, call, kernels)
+        return _host_forward(ctx, input, weight, bias, call)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_output: Tensor):
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
-        nones = (None,) * 10
-        if ctx.empty:
-            zeros = torch.zeros(ctx.num_features, dtype=torch.float64, device=grad_output.device)
+        call = ctx.call
+        if ctx.empty:  # nothing on this rank: it sends zeros, and its own gradients are zeros
+            zeros = torch.zeros(call.channels, dtype=torch.float64, device=grad_output.device)
             if need_input:
-                _sync_backward(ctx, zeros, zeros)
+                sync_backward_sums(call.state, call.reducer, ctx.kernels, zeros, zeros)
             grad_weight = zeros.to(ctx.param_dtype) if need_weight else None
             grad_bias = zeros.to(ctx.param_dtype) if need_bias else None
-            return torch.empty_like(grad_output) if need_input else None, grad_weight, grad_bias, *nones
-        z, weight, count, *saved = ctx.saved_tensors
-        kernels = ctx.kernels
-        dy = kernels.match_layout(grad_output, z)
-        first, second, grad_weight, grad_bias = kernels.backward_sums(
-            dy, z, saved, weight, need_weight, need_bias, ctx.eps
-        )
-        grad_input = None
-        if need_input:
-            reduced = _sync_backward(ctx, first, second)
-            grad_input = kernels.grad_input(dy, z, saved, weight, reduced, count, ctx.eps)
-        grad_weight = cast_if_needed(grad_weight, ctx.param_dtype) if need_weight else None
-        grad_bias = cast_if_needed(grad_bias, ctx.param_dtype) if need_bias else None
-        return grad_input, grad_weight, grad_bias, *nones
+            return torch.empty_like(grad_output) if need_input else None, grad_weight, grad_bias, None
+        if not ctx.kernels.deferred:
+            return _host_backward(ctx, grad_output, need_input, need_weight, need_bias)
+        return _device_backward(ctx, grad_output, need_input, need_weight, need_bias)
 
 
-class _Reduced(NamedTuple):
-    stats: _moments.Stats  # rows: the global mean, biased and unbiased variance
-    verdict: _moments.Verdict | None  # read on the host (None: deferred to the device)
-    payload: Tensor  # the reduced payload, whose tail the deferred running-statistics update reads
+# ----------------------------------------------------------------------------------------- the CPU
 
 
-def _reduce(input, local, count, call: Call, reducer, problem, kernels) -> _Reduced:
-    """This call's global statistics: its all-reduce (two where the first merge lost digits)."""
-    state, num_features, eps = call.state, call.channels, call.eps
+def _host_forward(ctx, input: Tensor, weight, bias, call: SyncCall) -> Tensor:
+    state, problem = call.state, call.problem
+    count = 0 if problem is not None else input.numel() // call.channels
+    part = None if problem is not None or count == 0 else _host.local(input, count, state.scratch)
+    # Recomputed by activation checkpointing: the original call's statistics, no all-reduce, no update.
+    checkpointed = _checkpointing.regions() if problem is None else _checkpointing.OUTSIDE
+    if checkpointed.replaying is not None:
+        rows = checkpointed.replay(state, input).rows.numpy()
+        merged = _host.Merged(rows[0], rows[1], rows[2], float(rows[3, 0]))
+    else:
+        merged = _host_reduce(input, part, count, call)
+        if checkpointed.logging:
+            counts = np.full_like(merged.mean, merged.count)
+            rows = torch.from_numpy(np.stack([merged.mean, merged.var, merged.unbiased, counts]))
+            checkpointed.log(state, input, _moments.Stats(rows, rows[3, :1]))
+        if call.running_mean is not None and call.running_var is not None:
+            _host_running_stats(call, merged)
+    if part is None:  # nothing on this rank: an empty output; backward sends zeros
+        ctx.empty = True
+        return torch.empty_like(input)
+    ctx.empty = False
+    dtype = _moments.stat_dtype(input.dtype)
+    coef = _host.coefficients(merged, part.center, weight, call.eps, call.clip, dtype, state.scratch)
+    ctx.coef = coef
+    ctx.save_for_backward(part.z)
+    return _host.normalize(part.z, bias, coef)
+
+
+def _host_reduce(input: Tensor, part, count: int, call: SyncCall) -> _host.Merged:
+    """This call's global statistics (the mean absolute): its all-reduce, two where the first merge lost
+    digits (float64 inputs, merged around the shift), read on the host."""
+    state, reducer, channels = call.state, call.reducer, call.channels
     tag = state.next_tag(FORWARD)
-    row = state.tail(tag, reducer.world_size, reducer.first, input.device, num_features)
+    world_size = reducer.world_size
+    tail = state.host_tail(tag, world_size, reducer.first)
+    keeps_shift = input.dtype == torch.float64
+    if state.shift is not None and state.shift.device != input.device:
+        state.shift = state.shift_ref = None  # the layer moved: start again from zero
+    shift = state.shift.numpy() if keeps_shift and state.shift is not None else None
+    payload = _host.pack(part, shift, count, tail, channels, call.problem is not None)
+    reducer.announce(
+        Call(
+            FORWARD,
+            state,
+            channels,
+            input.dtype,
+            call.momentum,
+            call.eps,
+            call.running_mean is not None,
+            call.num_batches_tracked is not None,
+        )
+    )  # fmt: skip  (the second all-reduce below is decided alike on every rank: not announced)
+    _all_reduce(reducer, torch.from_numpy(payload), tag)
+    if _host.check(payload, tag, world_size, call.problem, True) == 0:
+        nothing = np.full(channels, np.nan)
+        return _host.Merged(nothing, nothing, nothing, 0.0)
+    merged = _host.merge(payload, channels)
+    if keeps_shift and _host.costs_accuracy(merged, call.eps):
+        # Rare, decided from reduced values on every rank: merge again around this mean.
+        shift = merged.mean if shift is None else merged.mean + shift
+        shift = np.where(np.isfinite(shift), shift, 0.0)
+        payload = _host.pack(part, shift, count, tail, channels, False)
+        _all_reduce(reducer, torch.from_numpy(payload), tag)
+        _host.check(payload, tag, world_size, None, True)
+        merged = _host.merge(payload, channels)
+    if shift is None:
+        return merged
+    mean = merged.mean + shift
+    _moments.update_shift(state, torch.from_numpy(mean), torch.from_numpy(merged.var))
+    return merged._replace(mean=mean)
+
+
+def _host_running_stats(call: SyncCall, merged: _host.Merged) -> None:
+    """Move the running statistics towards this healthy call's (read on the host), as ``nn.BatchNorm``."""
+    running_mean, running_var, counted = call.running_mean, call.running_var, call.num_batches_tracked
+    if counted is not None:
+        counted.add_(1)
+    if merged.count == 0:  # an empty global batch: no statistics (0 / 0), keep the old ones
+        return
+    weight = call.momentum if call.momentum is not None else 1.0 / float(counted)
+    dtype = _buffer_math_dtype(running_mean)
+    ends = (_host.to_tensor(merged.mean, dtype), _host.to_tensor(merged.unbiased, dtype))
+    if running_mean.dtype == running_var.dtype == dtype:
+        torch._foreach_lerp_([running_mean, running_var], ends, weight)
+    else:
+        _lerp_buffers((running_mean, running_var), ends, weight, dtype)
+
+
+def _host_backward(ctx, grad_output: Tensor, need_input: bool, need_weight: bool, need_bias: bool):
+    (z,) = ctx.saved_tensors
+    coef, call = ctx.coef, ctx.call
+    sum_dy, sum_dy_xmu = _host.gradient_sums(grad_output, z, coef)
+    grad_weight = grad_bias = grad_input = None
+    if need_weight:
+        grad_weight = _host.to_tensor(coef.invstd * sum_dy_xmu, ctx.param_dtype)
+    if need_bias:
+        grad_bias = _host.to_tensor(sum_dy, ctx.param_dtype)
+    if need_input:
+        state, reducer = call.state, call.reducer
+        tag = state.next_tag(BACKWARD)
+        payload = _host.pack_sums(sum_dy, sum_dy_xmu, state.host_tail(tag, reducer.world_size, reducer.first))
+        reducer.announce(Call(BACKWARD, state, call.channels, torch.float64))
+        _all_reduce(reducer, torch.from_numpy(payload), tag)
+        _host.check(payload, tag, reducer.world_size, None, False)
+        c = call.channels
+        grad_input = _host.grad_input(grad_output, z, coef, payload[: 2 * c].reshape(2, c))
+    return grad_input, grad_weight, grad_bias, None
+
+
+# ------------------------------------------------------------------------------ CUDA and other devices
+
+
+def _device_forward(ctx, input: Tensor, weight, bias, call: SyncCall, kernels) -> Tensor:
+    state, problem, channels = call.state, call.problem, call.channels
+    count = 0 if problem is not None else input.numel() // channels
+    local = None if problem is not None or count == 0 else kernels.local(input)
+    # Recomputed by activation checkpointing: the original call's statistics, no all-reduce, no update.
+    checkpointed = _checkpointing.regions() if problem is None else _checkpointing.OUTSIDE
+    payload = None
+    if checkpointed.replaying is not None:
+        stats = checkpointed.replay(state, input)
+    else:
+        stats, payload = _device_reduce(input, local, count, call, kernels)
+    checkpointed.log(state, input, stats)
+    rows = stats.rows
+    normalized = None if local is None else kernels.normalize(local, weight, bias, rows, call.eps, call.clip)
+    if payload is not None and call.running_mean is not None and call.running_var is not None:
+        ends = (rows[0, 0], rows[1, 1]) if normalized is None else normalized.running
+        _update_running_stats(state, call, payload, ends, guard_count=count <= 1)
+    if normalized is None:  # nothing on this rank: an empty output; backward sends zeros
+        ctx.empty = True
+        return torch.empty_like(input)
+    ctx.empty = False
+    ctx.save_for_backward(local.z, weight, stats.count, *normalized.saved)
+    return normalized.output
+
+
+def _device_reduce(
+    input: Tensor, local, count: int, call: SyncCall, kernels
+) -> tuple[_moments.Stats, Tensor]:
+    """This call's global statistics (mean absolute) and its reduced payload: one all-reduce, its verdict
+    deferred to the device's health checks."""
+    state, reducer, channels, eps, problem = call.state, call.reducer, call.channels, call.eps, call.problem
+    tag = state.next_tag(FORWARD)
+    row = state.tail(tag, reducer.world_size, reducer.first, input.device, channels)
     keeps_shift = _keeps_shift(input, kernels)
     if state.shift is not None and state.shift.device != input.device:
         state.shift = state.shift_ref = None  # the layer moved: start again from zero
     shift = state.shift if keeps_shift else None
-    payload = _pack(local, shift, count, row, num_features, problem)
-    reducer.announce(call)  # the second all-reduce below is decided alike on every rank: not announced
+    payload = _pack(local, shift, count, row, channels, problem)
+    reducer.announce(
+        Call(FORWARD, state, channels, input.dtype, call.momentum, eps, call.running_mean is not None,
+             call.num_batches_tracked is not None)
+    )  # fmt: skip
     _all_reduce(reducer, payload, tag)
-    verdict = _check(payload, tag, reducer, problem, True, kernels)
-    stats = _moments.merge(payload, num_features, state.scratch)
-    mean, biased, _ = stats.rows.unbind()  # mean - shift, biased and unbiased variance (float64)
-    if keeps_shift and _shift_costs_accuracy(mean, biased, eps, input.device, kernels.deferred):
-        # Rare, CPU only, decided from reduced values on every rank: merge again around this mean.
-        shift = mean if shift is None else mean + shift
-        shift = torch.where(shift.isfinite(), shift, 0.0)
-        payload = _pack(local, shift, count, row, num_features, None)
-        _all_reduce(reducer, payload, tag)
-        verdict = _check(payload, tag, reducer, None, True, kernels)
-        stats = _moments.merge(payload, num_features, state.scratch)
-        mean, biased, _ = stats.rows.unbind()
+    _check(payload, tag, reducer, problem, True, kernels)
+    stats = _moments.merge(payload, channels, state.scratch, eps, call.clip)
+    mean = stats.rows[0, 0]  # relative to the shift
     if shift is not None:
-        mean.add_(shift)  # rows[0] too: now the global mean itself
+        mean.add_(shift)  # now the global mean itself
     if keeps_shift:
-        _moments.update_shift(state, mean, biased)
-    return _Reduced(stats, verdict, payload)
+        _moments.update_shift(state, mean, stats.rows[1, 0])
+    return stats, payload
 
 
-def _sync_backward(ctx, first: Tensor, second: Tensor) -> Tensor:
-    """All-reduce this rank's backward sums; return the reduced (2, C) sums (a view of the payload)."""
-    return sync_backward_sums(ctx.state, ctx.reducer, ctx.kernels, first, second)
+def _update_running_stats(state: SyncState, call: SyncCall, payload: Tensor, ends, guard_count: bool) -> None:
+    """Move the running statistics towards this call's, by a weight that is 0 for a bad call (decided
+    on the device, from reduced values: the verdict is not read yet)."""
+    running_mean, running_var = call.running_mean, call.running_var
+    dtype = _buffer_math_dtype(running_mean)
+    key = ("weight", running_mean.device, dtype, running_mean.numel())
+    weight = state.scratch.get(key)
+    if weight is None:  # one per channel: the buffers' update is then one multi-tensor kernel
+        weight = torch.zeros(running_mean.numel(), dtype=dtype, device=running_mean.device)
+        state.scratch[key] = weight
+    # num_batches_tracked counts healthy calls only, decided from reduced values: the same on every rank,
+    # the one that rejected its input included (it never gets here, and the call counts on no rank).
+    _moments.running_stat_weight(payload, call.momentum, weight, call.num_batches_tracked)
+    mean, var = (cast_if_needed(end, dtype) for end in ends)
+    if guard_count:  # some rank may have had 0 or 1 value: statistics may be NaN, keep the old ones then
+        enough = payload[payload.numel() - _moments.TAIL + COUNT] > 1
+        mean = torch.where(enough, mean, running_mean.to(dtype))
+        var = torch.where(enough, var, running_var.to(dtype))
+    if running_mean.dtype == running_var.dtype == dtype:
+        torch._foreach_lerp_([running_mean, running_var], [mean, var], [weight, weight])
+    else:
+        _lerp_buffers((running_mean, running_var), (mean, var), weight, dtype)
+
+
+def _device_backward(ctx, grad_output: Tensor, need_input: bool, need_weight: bool, need_bias: bool):
+    z, weight, count, *saved = ctx.saved_tensors
+    kernels, call = ctx.kernels, ctx.call
+    dy = kernels.match_layout(grad_output, z)
+    first, second, grad_weight, grad_bias = kernels.backward_sums(
+        dy, z, saved, weight, need_input, need_weight, need_bias
+    )
+    grad_input = None
+    if need_input:
+        reduced = sync_backward_sums(call.state, call.reducer, kernels, first, second)
+        grad_input = kernels.grad_input(dy, z, saved, weight, reduced, count, _ones(call.state, z.device))
+    grad_weight = cast_if_needed(grad_weight, ctx.param_dtype) if need_weight else None
+    grad_bias = cast_if_needed(grad_bias, ctx.param_dtype) if need_bias else None
+    return grad_input, grad_weight, grad_bias, None
+
+
+def _ones(state: SyncState, device: torch.device) -> Tensor:
+    """A count of 1 as ``batch_norm_backward_elemt`` reads counts (int32), kept on the device."""
+    key = ("ones", device)
+    ones = state.scratch.get(key)
+    if ones is None:
+        ones = state.scratch[key] = torch.ones(1, dtype=torch.int32, device=device)
+    return ones
 
 
 def sync_backward_sums(state: SyncState, reducer: Reducer, kernels, first: Tensor, second: Tensor) -> Tensor:
@@ -244,16 +351,16 @@ def sync_backward_sums(state: SyncState, reducer: Reducer, kernels, first: Tenso
 
 def _keeps_shift(input: Tensor, kernels) -> bool:
     """Merge around the previous global mean where the input's precision is worth it (the same on every
-    rank): on the CPU, whose float32/float64 path keeps its accuracy for any mean, and for float64."""
+    rank): devices whose statistics keep their accuracy for any mean, and float64."""
     if input.dtype in (torch.float16, torch.bfloat16):
         return False
     return kernels.keeps_any_shift or input.dtype == torch.float64
 
 
-def _pack(local, shift: Tensor | None, count: int, row: Tensor, num_features: int, problem) -> Tensor:
+def _pack(local, shift: Tensor | None, count: int, row: Tensor, channels: int, problem) -> Tensor:
     """This rank's forward payload around ``shift`` (None for zero); zeros for no input or a rejected one."""
     if local is None:
-        zeros = row.new_zeros(num_features)
+        zeros = row.new_zeros(channels)
         if problem is not None:
             return _moments.pack_sums(zeros, zeros, failed_row(row))
         return _moments.pack_moments(zeros, zeros, None, 0, row)
@@ -268,17 +375,6 @@ def _base(shift: Tensor | None, local) -> Tensor | None:
     return -origin if shift is None else shift - origin
 
 
-def _shift_costs_accuracy(
-    mean: Tensor, var: Tensor, eps: float, device: torch.device, deferred: bool = False
-) -> bool:
-    """Whether the merge lost more than ``_moments.REFINE_DIGITS`` digits (read on the CPU only, where it is
-    free, and only where verdicts are read at the call; a device keeps to one all-reduce and relies on the
-    shift's health rules)."""
-    if device.type != "cpu" or deferred or torch.compiler.is_compiling():
-        return False
-    return bool(_moments.costs_accuracy(mean, var, eps).item())
-
-
 def shadow_forward(layer, call: Call, reducer: Reducer, device: torch.device) -> None:
     """Take part in another rank's forward ``call`` of ``layer`` with no samples (a rank that joined under
     DDP's ``Join``): contribute an empty payload and move this layer's running statistics as the others
@@ -290,10 +386,10 @@ def shadow_forward(layer, call: Call, reducer: Reducer, device: torch.device) ->
         counted = None
     empty = torch.empty((0, call.channels), dtype=call.dtype, device=device)
     with torch.no_grad():
-        SyncBatchNormFunction.apply(
-            empty, None, None, *running, counted, call.momentum, call.eps, False, call.channels, reducer,
-            call.state, None,
-        )  # fmt: skip
+        sync = SyncCall(
+            *running, counted, call.momentum, call.eps, False, call.channels, reducer, call.state, None
+        )
+        SyncBatchNormFunction.apply(empty, None, None, sync)
 
 
 def shadow_backward(call: Call, reducer: Reducer, device: torch.device) -> None:

@@ -136,7 +136,7 @@ def test_layer_ids_are_64_bit_and_do_not_collide_where_crc32_did():
     state = SyncState()
     state.identity = layer_hash("bn3380", 8)
     row = state.tail(state.next_tag(0), 2, True, torch.device("cpu"), 8)
-    assert row.numel() == payload_size(8) - 3 * 8 and not row[:-TAIL].any()
+    assert row.numel() == payload_size(8) - 2 * 8 and not row[:-TAIL].any()
     row = row[-TAIL:]
     digits = row[IDENTITY.start : IDENTITY.start + 4].long().tolist()
     assert sum(d * 2 ** (20 * i) for i, d in enumerate(digits)) == state.identity

@@ -164,21 +164,18 @@ def test_shift_rules_without_a_world():
 
 
 def test_payload_size_classes():
-    """Every width up to 80 channels shares one size; above, a class costs at most twice the bytes."""
+    """Every width up to 120 channels shares one size; above, a class costs at most twice the bytes."""
     from distsync._syncbn.identity import MIN_PAYLOAD, TAIL, payload_size
 
-    assert {payload_size(c) for c in range(1, 81)} == {MIN_PAYLOAD}
+    assert {payload_size(c) for c in range(1, 121)} == {MIN_PAYLOAD}
     for c in range(1, 5000, 7):
-        assert 3 * c + TAIL <= payload_size(c) <= max(MIN_PAYLOAD, 2 * (3 * c + TAIL))
+        assert 2 * c + TAIL <= payload_size(c) <= max(MIN_PAYLOAD, 2 * (2 * c + TAIL))
 
 
 def test_shift_rules_never_read_device_values():
     """On a device (meta here: reading a value raises) the shift moves without any host sync."""
-    from distsync.functional import _shift_costs_accuracy
-
     state = SyncState()
     rows = torch.empty(3, 4, dtype=torch.float64, device="meta")
     for _ in range(2):
         update_shift(state, rows[0], rows[1])
     assert state.shift.device.type == "meta" and state.shift_ref.device.type == "meta"
-    assert not _shift_costs_accuracy(rows[0], rows[1], 1e-5, rows.device)

@@ -151,7 +151,7 @@ def sync_batch_norm(
     dims = [0, *range(2, nd)]
     dtype = _moments.stat_dtype(input.dtype)
     n = input.numel() // c
-    # The eager payload's layout, [n m, n (v + m^2), n (v + m^2) | tail], as float64 sums around zero
+    # The eager payload's layout, [n m, n (v + m^2) | tail], as float64 sums around zero
     # (inductor fuses the upcast into the reductions): a mean 10^k standard deviations from zero costs 2k
     # of float64's 16 digits of the variance. A merge shift kept on the device and updated in place would
     # be read back wrongly by AOT autograd, which may save graph inputs for backward.
@@ -164,7 +164,7 @@ def sync_batch_norm(
     tail = template + call * _unit(CALL, template) + call * call * template.new_tensor(squares)
     tail = tail + n * _unit(COUNT, template)
     pad = template.new_zeros(_padding(c))  # the eager payload's size class
-    payload = torch.cat([first, second, second, pad, tail])
+    payload = torch.cat([first, second, pad, tail])
     group = layer.process_group or dist.group.WORLD
     reduced = _SumOverRanks.apply(payload, group)
     red_tail = reduced[reduced.numel() - TAIL :].detach()
@@ -211,7 +211,7 @@ class _SumOverRanks(torch.autograd.Function):
 
 def _padding(channels: int) -> int:
     """Zeros between a payload's statistics and its tail (a constant at trace time)."""
-    return payload_size(channels) - 3 * channels - TAIL
+    return payload_size(channels) - 2 * channels - TAIL
 
 
 _torch_compat.mark_constant_for_dynamo(_padding)  # int.bit_length is not traceable before torch 2.6

@@ -38,6 +38,7 @@ import sys
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -60,9 +61,9 @@ MIN_PAYLOAD = 256
 
 
 def payload_size(num_channels: int) -> int:
-    """Length of a sync payload for ``num_channels`` channels: ``3C + TAIL`` rounded up to its size class,
+    """Length of a sync payload for ``num_channels`` channels: ``2C + TAIL`` rounded up to its size class,
     a power of two of at least ``MIN_PAYLOAD`` (see :mod:`distsync._syncbn.moments`)."""
-    return max(MIN_PAYLOAD, 1 << (3 * num_channels + TAIL - 1).bit_length())
+    return max(MIN_PAYLOAD, 1 << (2 * num_channels + TAIL - 1).bit_length())
 
 
 @functools.cache
@@ -225,8 +226,10 @@ class SyncState:
         self.shift: Tensor | None = None  # merge shift (float64), shared by every rank
         self.shift_ref: Tensor | None = None  # variance of the call the shift was judged against
         self._tables: dict = {}
+        self._host_tables: dict = {}
         self.scratch: dict = {}  # small per-device tensors reused call after call
         self.join = None  # the reducer of the Join the layer is in (distsync.join), never copied
+        self.transport = None  # (process group, its reducer) of the last call, never copied
 
     def __deepcopy__(self, memo) -> SyncState:
         return SyncState(self.layer_name, self.copies + 1, self.path, self.name)
@@ -266,9 +269,23 @@ class SyncState:
             block = call // _BLOCK
             digits = [(tag.layer_id // modulus**i) % modulus for i in range(LAYER_DIGITS)]
             table = _tail_table(digits, tag.direction, block * _BLOCK, world_size, first, device)
-            pad = payload_size(width) - 3 * width - TAIL
+            pad = payload_size(width) - 2 * width - TAIL
             table = torch.cat([table.new_zeros(_BLOCK, pad), table], dim=1)
             self._tables[key] = (block, table)
+        return table[call % _BLOCK]
+
+    def host_tail(self, tag: CallTag, world_size: int, first: bool) -> np.ndarray:
+        """The tail of call ``tag`` (no padding) as a row of a host table (the CPU's payloads are built on
+        the host): read-only, copied into the payload."""
+        modulus = call_modulus(world_size)
+        call = tag.call % modulus
+        key = (tag.direction, world_size, first)
+        block, table = self._host_tables.get(key, (None, None))
+        if block != call // _BLOCK:
+            block = call // _BLOCK
+            digits = [(tag.layer_id // modulus**i) % modulus for i in range(LAYER_DIGITS)]
+            table = _tail_table(digits, tag.direction, block * _BLOCK, world_size, first, "cpu").numpy()
+            self._host_tables[key] = (block, table)
         return table[call % _BLOCK]
 
 

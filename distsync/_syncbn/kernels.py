@@ -27,7 +27,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from distsync._syncbn import sums as _sums
 from distsync._syncbn.moments import stat_dtype
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -105,47 +104,49 @@ class CudaKernels:
     @classmethod
     def normalize(cls, local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:
         dtype = stat_dtype(local.z.dtype)
-        stats = rows.to(dtype, copy=True)  # mean, biased var, unbiased var: worked on in place below
         # batch_norm_elemt reads mean and invstd as the accumulate type: float32 for float32 and half
-        # inputs, float64 for float64 (packed_accessor_or_dummy<stat_accscalar_t>).
-        kept = ((stats[1] >= eps).to(dtype),) if clip else ()  # channels whose variance is not clipped
-        invstd = (stats[1].clamp_min_(eps) if clip else stats[1].add_(eps)).rsqrt_()
+        # inputs, float64 for float64 (packed_accessor_or_dummy<stat_accscalar_t>). One conversion of the
+        # merged rows [[mean, invstd], [var, unbiased var]] (none for float64).
+        stats = rows.to(dtype)
+        mean, invstd = stats[0]
+        # clipped variance: no gradient through it in channels where it was clipped (var <= eps)
+        kept = (stats[1, 0] > eps,) if clip else ()
         output = cls.ops.batch_norm_elemt(
-            local.z, cast_if_needed(weight, dtype), cast_if_needed(bias, dtype), stats[0], invstd, eps
+            local.z, cast_if_needed(weight, dtype), cast_if_needed(bias, dtype), mean, invstd, eps
         )
-        return Normalized(output, (stats[0], invstd, *kept), (stats[0], stats[2]), eps)
+        return Normalized(output, (mean, invstd, *kept), (mean, stats[1, 1]), eps)
 
     @classmethod
     def backward_sums(
-        cls, dy: Tensor, z: Tensor, saved, weight, need_weight: bool, need_bias: bool, eps: float
+        cls, dy: Tensor, z: Tensor, saved, weight, need_input: bool, need_weight: bool, need_bias: bool
     ):
         mean, invstd = saved[:2]
         # batch_norm_backward_reduce_cuda: mean and invstd of one dtype (TORCH_CHECK); the weight
         # gradient is allocated from the weight's options, so it is only asked for with a weight.
-        sum_dy, sum_dy_xmu, grad_weight, grad_bias = cls.ops.batch_norm_backward_reduce(
+        return cls.ops.batch_norm_backward_reduce(
             dy,
             z,
             mean,
             invstd,
             cast_if_needed(weight, mean.dtype),
-            True,
+            need_input,
             need_weight and weight is not None,
             need_bias,
         )
-        return sum_dy, sum_dy_xmu, grad_weight, grad_bias
 
     @classmethod
-    def grad_input(
-        cls, dy: Tensor, z: Tensor, saved, weight, reduced: Tensor, count: Tensor, eps: float
-    ) -> Tensor:
+    def grad_input(cls, dy: Tensor, z: Tensor, saved, weight, reduced: Tensor, count: Tensor, ones) -> Tensor:
         mean, invstd = saved[:2]
-        sums = reduced.to(mean.dtype)  # sum_dy, sum_dy_xmu as the accumulate type, like mean and invstd
+        # batch_norm_backward_elemt_cuda multiplies the sums by 1 / sum(count) (count read as int32 per
+        # rank, summed on the device): given the means themselves, divided here in float64 and rounded
+        # once to the accumulate type, with a count of 1 (``ones``).
+        means = torch.empty(reduced.shape, dtype=mean.dtype, device=mean.device)
+        torch.div(reduced, count, out=means)
         if len(saved) > 2:  # clipped variance: no gradient through it in clipped channels
-            sums[1].mul_(saved[2])
-        # batch_norm_backward_elemt_cuda: `count` is read as int32 (count.data_ptr<int>()) and summed on
-        # the device; the weight is read as the stat type once mean is float32 for half inputs.
+            means[1].mul_(saved[2])
+        # the weight is read as the stat type once mean is float32 for half inputs
         return cls.ops.batch_norm_backward_elemt(
-            dy, z, mean, invstd, cast_if_needed(weight, mean.dtype), sums[0], sums[1], count.to(torch.int32)
+            dy, z, mean, invstd, cast_if_needed(weight, mean.dtype), means[0], means[1], ones
         )
 
     @staticmethod
@@ -156,83 +157,11 @@ class CudaKernels:
 
 
 class CpuKernels:
-    """Shifted input, ``batch_norm_update_stats``, eval-mode ``batch_norm`` and its backward."""
+    """The CPU: verdicts are read at the call, and its passes and per-channel arithmetic are those of
+    :mod:`distsync._syncbn.host`."""
 
-    deferred = False  # reduced values cost nothing to read on the CPU: verdicts at the call
+    deferred = False
     keeps_any_shift = True
-
-    @staticmethod
-    def local(input: Tensor) -> Local:
-        if input.dtype in _HALF:
-            # Mean and biased variance straight from the half input, without a float32 copy of it. The
-            # kernel's parameter type is that of the running buffers (the input's without them: half
-            # statistics, whose variance overflows at std 256): float32 scratch buffers, left as they were
-            # by momentum 0, make it return float32 statistics, accumulated in float32 (Normalization.cpp's
-            # mixed-type path, batch_norm_kernel.cpp's opmath accumulation).
-            scratch = input.new_empty((2, input.shape[1]), dtype=torch.float32)
-            mean, var = torch.batch_norm_update_stats(input, scratch[0], scratch[1], 0.0)
-            return Local(input, mean, var, None)
-        # Shifted near the mean, the sums keep the input's precision however far the mean is from zero.
-        center = origin(input)
-        z = input - per_channel(center, input.dim())
-        count = z.numel() // z.shape[1]
-        sums = _sums.moment_sums(z)  # sum(z), sum(z^2): one pass, float64 totals
-        mean, mean_sq = (sums / count).unbind()
-        var = torch.addcmul(mean_sq, mean, mean, value=-1)  # z is centred near 0: little cancels
-        return Local(z, mean, var, center)
-
-    @staticmethod
-    def normalize(local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:
-        dtype = stat_dtype(local.z.dtype)
-        global_mean, biased, unbiased = rows.unbind()
-        mean = global_mean if local.origin is None else global_mean - local.origin
-        var = biased.clamp_min(eps) if clip else biased
-        eps_used = 0.0 if clip else eps
-        # The kernel computes z * scale + (bias - mean * scale). Its own scale, weight / sqrt(var + eps)
-        # from a float32 var, is rounded five times (nn.BatchNorm's twice): here it is rounded once from
-        # float64 and given as the weight, with variance 0 + eps 1 (invstd exactly 1).
-        scale = (var if clip else var + eps).rsqrt()
-        if weight is not None:
-            scale = scale * weight
-        scale, mean, var = torch.stack([scale, mean, var]).to(dtype).unbind()
-        zeros = torch.zeros_like(mean)
-        output = torch.batch_norm(
-            local.z, scale, cast_if_needed(bias, dtype), mean, zeros, False, 0.0, 1.0, False
-        )
-        kept = ((biased >= eps).to(dtype),) if clip else ()
-        return Normalized(output, (mean, var, *kept), (global_mean, unbiased), eps_used)
-
-    @staticmethod
-    def backward_sums(dy: Tensor, z: Tensor, saved, weight, need_weight: bool, need_bias: bool, eps: float):
-        sum_dy, sum_dy_xhat = _sums.gradient_sums(dy, z, *saved[:2], eps)  # one pass over dy and z
-        return sum_dy, sum_dy_xhat, sum_dy_xhat, sum_dy
-
-    @staticmethod
-    def grad_input(
-        dy: Tensor, z: Tensor, saved, weight, reduced: Tensor, count: Tensor, eps: float
-    ) -> Tensor:
-        """dx = scale * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all participants."""
-        mean, var = saved[:2]
-        scale = (var + eps).rsqrt()
-        if weight is not None:
-            scale = scale * cast_if_needed(weight, scale.dtype)
-        coefficients = (reduced / -count).to(scale.dtype) * scale
-        if len(saved) > 2:  # clipped variance: no gradient through it in clipped channels
-            coefficients[1].mul_(saved[2])
-        shift, slope = coefficients.unbind()
-        # The x_hat-dependent part and the constant in one fused eval-mode batch-norm pass, then + scale*dy.
-        grad_input = torch.batch_norm(z, slope, shift, mean, var, False, 0.0, eps, False)
-        if dy.dtype == scale.dtype:
-            return grad_input.addcmul_(dy, per_channel(scale, z.dim()))
-        # Half inputs with float32 statistics: a mixed-dtype addcmul_ would make float32 copies of the whole
-        # activation; mixed-precision eval-mode batch norm of dy computes scale * dy without any.
-        zero = torch.zeros_like(mean)
-        w = None if weight is None else weight.to(scale.dtype)
-        return grad_input.add_(torch.batch_norm(dy, w, None, zero, var, False, 0.0, eps, False))
-
-    @staticmethod
-    def match_layout(dy: Tensor, z: Tensor) -> Tensor:
-        return dy
 
 
 def _dense(tensor: Tensor) -> bool:
@@ -247,7 +176,7 @@ class GenericKernels:
     """Any other accelerator: ``var_mean``, sums and elementwise ops, which every backend implements.
 
     The same payload as the other devices and the same backward sums as the CPU (``sum(dy)``,
-    ``sum(dy * x_hat)``). Like the CPU it works on the input shifted by a value near its mean (a copy in the
+    ``sum(dy * x_hat)``). It works on the input shifted by a value near its mean (a copy in the
     statistics' dtype, float32 at least), so a mean far from zero keeps its accuracy; dedicated kernels
     would spare that copy.
     """
@@ -269,16 +198,15 @@ class GenericKernels:
     @staticmethod
     def normalize(local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:
         dtype = stat_dtype(local.z.dtype)
-        var = rows[1].clamp_min(eps) if clip else rows[1] + eps
-        kept = ((rows[1] >= eps).to(dtype),) if clip else ()
-        mean = rows[0] if local.origin is None else rows[0] - local.origin
-        saved = (mean.to(dtype), var.rsqrt().to(dtype), *kept)
+        mean = rows[0, 0] if local.origin is None else rows[0, 0] - local.origin
+        kept = ((rows[1, 0] > eps).to(dtype),) if clip else ()
+        saved = (mean.to(dtype), rows[0, 1].to(dtype), *kept)
         output = GenericKernels._x_hat(local.z, saved)
         if weight is not None:
             output.mul_(per_channel(weight.to(dtype), output.dim()))
         if bias is not None:
             output.add_(per_channel(bias.to(dtype), output.dim()))
-        running = (rows[0].to(dtype), rows[2].to(dtype))
+        running = (rows[0, 0].to(dtype), rows[1, 1].to(dtype))
         return Normalized(output.to(local.z.dtype), saved, running, eps)
 
     @staticmethod
@@ -288,7 +216,7 @@ class GenericKernels:
 
     @classmethod
     def backward_sums(
-        cls, dy: Tensor, z: Tensor, saved, weight, need_weight: bool, need_bias: bool, eps: float
+        cls, dy: Tensor, z: Tensor, saved, weight, need_input: bool, need_weight: bool, need_bias: bool
     ):
         dims = [0, *range(2, z.dim())]
         wide_dy = dy.to(saved[0].dtype)
@@ -297,9 +225,7 @@ class GenericKernels:
         return sum_dy, sum_dy_xhat, sum_dy_xhat, sum_dy
 
     @classmethod
-    def grad_input(
-        cls, dy: Tensor, z: Tensor, saved, weight, reduced: Tensor, count: Tensor, eps: float
-    ) -> Tensor:
+    def grad_input(cls, dy: Tensor, z: Tensor, saved, weight, reduced: Tensor, count: Tensor, ones) -> Tensor:
         """dx = scale * (dy - mean(dy) - x_hat * mean(dy * x_hat)), means over all participants."""
         mean, invstd = saved[:2]
         scale = invstd if weight is None else invstd * weight.to(invstd.dtype)

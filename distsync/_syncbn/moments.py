@@ -3,19 +3,18 @@
 A sync payload is one float64 vector per call, the same length in forward and backward so that a rank in
 the wrong direction meets a well-formed reduction instead of a size mismatch::
 
-    [ first (C) | second (C) | second again (C) | zeros | tail (TAIL) ]
+    [ first (C) | second (C) | zeros | tail (TAIL) ]
 
-Its length is a size class (``_identity.payload_size``; the tail tables hold the zeros): ``3C + TAIL`` rounded
+Its length is a size class (``_identity.payload_size``; the tail tables hold the zeros): ``2C + TAIL`` rounded
 up to a power of two, at least ``MIN_PAYLOAD``. Ranks out of step at layers of different widths then still
-meet equal sizes in most cases (every width up to 80 channels shares the smallest class), and the tail at the
+meet equal sizes in most cases (every width up to 120 channels shares the smallest class), and the tail at the
 end makes them raise ``SyncMismatchError``; a collective of unequal sizes would abort the process in gloo (and
 hang in NCCL). It costs at most twice the bytes of an all-reduce that is bound by its latency anyway.
 
 Forward sends ``first = n (m - K)`` and ``second = n (v + (m - K)^2)`` from this rank's ``n`` values per
 channel, their mean ``m`` and biased variance ``v``, around a shift ``K`` that every rank shares (a previous
 healthy global mean where accuracy needs it, else zero: see :func:`update_shift`), so the merge ``E[(x-K)^2] -
-E[x-K]^2`` cancels only what ``|mean - K|`` makes it cancel. The second block is sent twice so that one
-division gives the mean, the biased and the unbiased variance. Backward sends the local sums of its gradient
+E[x-K]^2`` cancels only what ``|mean - K|`` makes it cancel. Backward sends the local sums of its gradient
 formula.
 
 The tail (see :mod:`distsync._syncbn.identity`) carries the count, a rejected-input flag and the call identity
@@ -46,9 +45,11 @@ from distsync.errors import SyncError, SyncMismatchError
 
 
 class Stats(NamedTuple):
-    """Global statistics of one forward sync, as float64 rows of one ``(3, C)`` tensor."""
+    """Global statistics of one forward sync on a device: float64 rows of one ``(2, 2, C)`` tensor,
+    ``[[mean, invstd], [var, unbiased var]]`` (``var`` is the biased variance plus eps, or the variance
+    clamped at eps: what ``invstd`` is the inverse square root of), see :func:`merge`."""
 
-    rows: Tensor  # mean - offset, biased variance, unbiased variance
+    rows: Tensor
     count: Tensor  # (1,) float64 view of the global count, on the device
 
 
@@ -63,44 +64,51 @@ def pack_moments(mean: Tensor, var: Tensor, base: Tensor | None, count: int, row
     ``base`` is ``K - origin``: the shared shift in the coordinates ``mean`` is given in (None for 0).
     ``row`` is the call's padded tail; its count slot holds 1 and becomes ``count`` here.
     """
-    if base is None:  # cat promotes mean and var to float64 (exactly); q = var + d^2 in float64
-        payload = torch.cat([mean, var, var, row])
-        c = mean.numel()
-        d, q = payload[:c], payload[c : 3 * c].view(2, c)
-        q.addcmul_(d, d)
+    c = mean.numel()
+    if base is None:  # cat promotes mean and var to float64 (exactly); v + d^2 in float64
+        payload = torch.cat([mean, var, row])
+        d = payload[:c]
+        payload[c : 2 * c].addcmul_(d, d)
     else:
         d = torch.sub(mean, base)  # float64
-        q = torch.addcmul(var, d, d)
-        payload = torch.cat([d, q, q, row])
+        payload = torch.cat([d, torch.addcmul(var, d, d), row])
     payload[: payload.numel() - TAIL + COUNT + 1].mul_(count)
     return payload
 
 
 def pack_sums(first: Tensor, second: Tensor, row: Tensor) -> Tensor:
-    """Backward (or empty-input) payload from two per-channel sums, promoted to float64 like the tail
-    (in one conversion: a ``cat`` of mixed dtypes costs several times a plain one)."""
-    sums = torch.cat([first, second, second])
-    return torch.cat([sums.to(row.dtype), row])
+    """Backward (or empty-input) payload from two per-channel sums, promoted to float64 like the tail."""
+    return torch.cat([first, second, row])
 
 
-def merge(payload: Tensor, num_channels: int, scratch: dict) -> Stats:
-    """Global mean (relative to the shared shift), biased and unbiased variance from a reduced payload.
+def merge(payload: Tensor, num_channels: int, scratch: dict, eps: float, clip: bool) -> Stats:
+    """Global mean (relative to the shared shift), ``1 / sqrt`` of the variance it is normalized by (biased
+    variance plus eps, or clamped at eps), that variance and the unbiased variance, from a reduced payload.
 
-    In place on the payload. The shifted sums are exact to float64 rounding, so ``E[(x-K)^2] - E[x-K]^2``
-    loses ``log10((mean - K)^2 / var)`` of float64's 16 digits. ``scratch`` caches a per-device constant.
+    Four elementwise ops on the device, none in place on the payload. The first and second moment sums are
+    read as ``[[S1, S1], [S2, S2]]`` (a view) and divided by ``[N, N - 1]``: the mean and ``S1 / (N - 1)``
+    above ``S2 / N`` (plus eps) and ``S2 / (N - 1)``; subtracting the mean times the row above leaves the
+    variances. The shifted sums are exact to float64 rounding, so ``E[(x-K)^2] - E[x-K]^2`` loses
+    ``log10((mean - K)^2 / var)`` of float64's 16 digits. ``scratch`` caches the per-device constants.
     """
     c = num_channels
     at = payload.numel() - TAIL + COUNT
     count = payload[at : at + 1]
-    sums = payload[: 3 * c].view(3, c)
-    first = sums[0]
-    sums[1:].addcmul_(first, first / count, value=-1).clamp_min_(0.0)  # sums of squared deviations
-    key = ("den", payload.device)
-    den = scratch.get(key)  # [0, 0, 1]: subtracted from the count to divide by (N, N, N - 1)
-    if den is None:  # built on the device: no host-to-device copy
-        den = torch.arange(3, dtype=torch.float64, device=payload.device).sub_(1).clamp_(0).view(3, 1)
-        scratch[key] = den
-    rows = sums / (count - den)
+    key = ("merge", payload.device, eps, clip)
+    constants = scratch.get(key)
+    if constants is None:  # built on the device: no host-to-device copy
+        lowered = torch.zeros((2, 1), dtype=torch.float64, device=payload.device)
+        lowered[1] = 1.0  # N, N - 1
+        added = torch.zeros((2, 2, 1), dtype=torch.float64, device=payload.device)
+        added[1, 0] = 0.0 if clip else eps  # S2 / N + eps: the variance the output is normalized by
+        floors = torch.zeros((2, 1), dtype=torch.float64, device=payload.device)
+        floors[0] = eps  # that variance is at least eps (its clamp, or >= 0 plus eps); the unbiased >= 0
+        constants = scratch[key] = (lowered, added, floors)
+    lowered, added, floors = constants
+    sums = payload.as_strided((2, 2, c), (c, 0, 1), payload.storage_offset())  # [[S1, S1], [S2, S2]]
+    rows = torch.addcdiv(added, sums, torch.sub(count, lowered))
+    rows[1].addcmul_(rows[0, 0], rows[0], value=-1).clamp_min_(floors)
+    torch.rsqrt(rows[1, 0], out=rows[0, 1])
     return Stats(rows, count)
 
 
@@ -121,7 +129,7 @@ def merge(payload: Tensor, num_channels: int, scratch: dict) -> Stats:
 # keep the later ones accurate.
 SHIFT_JUMP = 2.0**10
 REFINE_DIGITS = 2.4  # (mean - K)^2 > 2^8 (var + eps)
-_REFINE = 2.0**8
+REFINE = 2.0**8
 _INF = float("inf")
 
 
@@ -129,7 +137,7 @@ def costs_accuracy(mean: Tensor, var: Tensor, eps: float) -> Tensor:
     """Whether some channel's merge (``mean`` relative to K and biased ``var`` from :func:`merge`) lost more
     than ``REFINE_DIGITS`` digits of the variance it is normalized by (a 0-dim bool tensor; NaN never
     counts)."""
-    return torch.addcmul(var, mean, mean, value=-1 / _REFINE).lt_(-eps).any()
+    return torch.addcmul(var, mean, mean, value=-1 / REFINE).lt_(-eps).any()
 
 
 def update_shift(state, mean: Tensor, var: Tensor) -> None:
@@ -149,8 +157,8 @@ def update_shift(state, mean: Tensor, var: Tensor) -> None:
 
 
 def running_stat_weight(payload: Tensor, momentum: float | None, out: Tensor, batches: Tensor | None) -> None:
-    """Write into ``out`` the weight of this call's running-statistics update, 0 if the call was bad, and
-    count the call in ``batches`` (``num_batches_tracked``) only if it was good.
+    """Write into every element of ``out`` the weight of this call's running-statistics update, 0 if the call
+    was bad, and count the call in ``batches`` (``num_batches_tracked``) only if it was good.
 
     The guard slot reduces to ``1 - failed - W sum(t^2)`` and ``sum_t (sum t)^2`` is added to it: the
     result is 1 when all ranks sent the same identity and none failed, else at most 0 (Cauchy-Schwarz).
@@ -160,6 +168,7 @@ def running_stat_weight(payload: Tensor, momentum: float | None, out: Tensor, ba
     healthy = torch.addmv(tail[GUARD : GUARD + 1], ident.view(1, -1), ident).gt(0.5)  # (1,) bool
     if batches is not None:
         batches.add_(healthy.view(()))
+    healthy = healthy.expand_as(out)  # one weight per element of ``out``
     # bool (x) scalar or int64 computes in float32: exact for float32 buffers; others get out's dtype first
     exact = out.dtype == torch.float32
     if momentum is not None:

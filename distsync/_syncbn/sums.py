@@ -109,17 +109,27 @@ def _cut(z: Tensor) -> Blocks | None:
     return blocks(tuple(z.shape), tuple(z.stride())) if z.dtype == torch.float32 else None
 
 
-def moment_sums(z: Tensor) -> Tensor:
-    """``sum(z)`` and ``sum(z^2)`` per channel of ``z`` (float32 or float64): ``(2, C)`` float64, in one
-    pass."""
+def moment_sums(z: Tensor, scratch: dict) -> tuple[Tensor, Tensor]:
+    """``sum(z)`` and ``sum(z^2)`` per channel of ``z`` (float32 or float64), in one pass: float64 when summed
+    in blocks, else in ``z``'s dtype (the kernel's float64 accumulation rounded once)."""
     cut = _cut(z)
     view = z if cut is None else cut.view(z)
-    zeros = z.new_zeros(view.shape[1])
+    zeros = zeros_of(view.shape[1], z.dtype, z.device, scratch)
     # Eval-mode BN backward of dy = z at the input z, around mean 0 with invstd 1 / sqrt(0 + 1): the bias
     # gradient is sum(dy) = sum(z), the weight gradient sum(dy * z) = sum(z^2).
     _, squares, sums = _backward(view, view, None, zeros, zeros, None, None, False, 1.0, [False, True, True])
-    partials = torch.stack([sums, squares])
-    return partials.double() if cut is None else cut.per_channel(partials)
+    if cut is None:
+        return sums, squares
+    return cut.per_channel(torch.stack([sums, squares])).unbind()
+
+
+def zeros_of(channels: int, dtype: torch.dtype, device: torch.device, scratch: dict) -> Tensor:
+    """Per-channel zeros kept in ``scratch`` (a layer's): read-only arguments of the kernels."""
+    key = ("zeros", channels, dtype, device)
+    zeros = scratch.get(key)
+    if zeros is None:
+        zeros = scratch[key] = torch.zeros(channels, dtype=dtype, device=device)
+    return zeros
 
 
 def gradient_sums(dy: Tensor, z: Tensor, mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tensor]:

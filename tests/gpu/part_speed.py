@@ -1,7 +1,8 @@
 """Part 6: speed, side by side in one run: per layer, and a ResNet-50 training step.
 
 Per layer, forward + backward at the shapes of ``benchmarks/bench_syncbn.py`` (float32) and of ResNet-50's
-BN layers at batch 64, 224 px (bf16 input, float32 parameters, as under autocast):
+BN layers at 224 px with 2, 8 and 64 samples per GPU (bf16 input, float32 parameters, as under autocast;
+small per-GPU batches are where synchronized BN is used most, and where the host sets the step time):
 
 - ``native``: ``nn.BatchNorm2d`` (cuDNN/ATen), no synchronization: the floor;
 - ``distsync``: ``DistSyncBatchNorm2d`` taking its synchronized path over a one-rank NCCL group
@@ -10,8 +11,8 @@ BN layers at batch 64, 224 px (bf16 input, float32 parameters, as under autocast
 
 Time per call (median of runs of back-to-back calls, the device drained around each run), the host's CPU
 time per call (this thread), and CUDA kernels (and copies) per call from the profiler. Then ResNet-50
-(torchvision), batch 64, bf16 autocast, channels_last, SGD: a step with native BN against one converted to
-distsync (every BN layer synchronized over the one-rank group).
+(torchvision), batch 8 and 64, bf16 autocast, channels_last, SGD: a step with native BN against one
+converted to distsync (every BN layer synchronized over the one-rank group).
 """
 
 from __future__ import annotations
@@ -37,13 +38,8 @@ from torch.profiler import ProfilerActivity, profile
 import distsync
 
 BENCH_SHAPES = [(8, 64, 8, 8), (16, 64, 32, 32)]  # benchmarks/bench_syncbn.py's headline shapes
-RESNET50_SHAPES = [
-    (64, 64, 112, 112),
-    (64, 256, 56, 56),
-    (64, 512, 28, 28),
-    (64, 1024, 14, 14),
-    (64, 2048, 7, 7),
-]
+RESNET50_PLANES = [(64, 112, 112), (256, 56, 56), (512, 28, 28), (1024, 14, 14), (2048, 7, 7)]
+RESNET50_SHAPES = [(batch, *plane) for batch in (2, 8, 64) for plane in RESNET50_PLANES]
 VARIANTS = ("native", "distsync", "nn.SyncBatchNorm")
 
 
@@ -123,25 +119,30 @@ def run(findings: Findings, device: str) -> None:
                 *(fmt(measured[v][0]) for v in VARIANTS),
                 f"{measured['distsync'][0] / native:.2f}",
                 f"{measured['nn.SyncBatchNorm'][0] / native:.2f}",
-                *(fmt(measured[v][1]) for v in ("distsync", "nn.SyncBatchNorm")),
+                *(fmt(measured[v][1]) for v in VARIANTS),
                 *(_count(measured[v][2]) for v in VARIANTS),
             ])  # fmt: skip
             findings.figure(f"distsync / native, {shape} {dtype}", round(measured["distsync"][0] / native, 3))
+            findings.figure(
+                f"host CPU per call, distsync / nn.SyncBatchNorm, {shape} {dtype}",
+                round(measured["distsync"][1] / measured["nn.SyncBatchNorm"][1], 3),
+            )
         header = [
             "shape", "native", "distsync", "nn.SyncBatchNorm", "distsync / native", "SyncBN / native",
-            "CPU per call: distsync", "CPU per call: SyncBN", "device ops: native", "distsync", "SyncBN",
+            "host CPU per call: native", "distsync", "SyncBN", "device ops: native", "distsync", "SyncBN",
         ]  # fmt: skip
         findings.table(
             f"One BN layer, forward + backward, one-rank group ({calls} calls x {repeats})", header, rows
         )
-        _model_step(findings, device, small)
+        for batch in (4,) if small else (8, 64):
+            _model_step(findings, device, small, batch)
 
 
-def _model_step(findings: Findings, device: str, small: bool) -> None:
+def _model_step(findings: Findings, device: str, small: bool, batch: int) -> None:
     import torchvision
 
     torch.backends.cudnn.benchmark = True
-    batch, size, steps, repeats = (4, 64, 2, 2) if small else (64, 224, 10, 5)
+    size, steps, repeats = (64, 2, 2) if small else (224, 10, 5)
     name = "resnet18" if small else "resnet50"
     x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
     labels = torch.randint(0, 1000, (batch,), device=device)
@@ -176,4 +177,4 @@ def _model_step(findings: Findings, device: str, small: bool) -> None:
         ["variant", "step", "images/s", "CPU per step"],
         rows,
     )
-    findings.figure(f"{name} step, distsync / native", round(ratio, 3))
+    findings.figure(f"{name} step at batch {batch}, distsync / native", round(ratio, 3))

@@ -1,0 +1,153 @@
+"""Host time of one synchronized BN call (forward + backward), the collectives' own time left out.
+
+    python benchmarks/host_cost.py [BASE_REV] [--quick]
+
+On a GPU with small per-GPU batches the step time is the host's: Python, the dispatcher and kernel launches.
+This measures that part on 2 gloo ranks, side by side in one run: the CPU time this rank's thread spends in
+one forward + backward, minus the CPU time it spends inside ``torch.distributed.all_reduce`` (what the
+transport costs is the transport's). Variants:
+
+- ``floor``: ``nn.BatchNorm2d`` plus the two all-reduces of a sync payload that any synchronized BN needs;
+- ``distsync``: this checkout's ``DistSyncBatchNorm2d``;
+- ``base``: ``BASE_REV``'s, extracted as in ``compare_versions.py`` (when given).
+
+Prints the median microseconds per call and the median per-repetition ratio to the floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from _harness import Budget, run_world
+from compare_versions import extract_base
+from torch import nn
+
+CASES = [  # (input shape, dtype): the tiny fixed-cost shape, then the benchmark's headline layer shapes
+    ((2, 8, 2, 2), torch.float32),
+    ((8, 64, 8, 8), torch.float32),
+    ((16, 64, 32, 32), torch.float32),
+    ((8, 64, 8, 8), torch.bfloat16),
+]
+
+
+class _CollectiveClock:
+    """Wraps ``dist.all_reduce`` (in this benchmark's processes only) to add up the thread CPU time spent
+    inside it."""
+
+    def __init__(self) -> None:
+        self.inside = 0.0
+        self._all_reduce = dist.all_reduce
+
+    def __enter__(self) -> _CollectiveClock:
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return self._all_reduce(*args, **kwargs)
+            finally:
+                self.inside += time.thread_time() - start
+
+        dist.all_reduce = timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_reduce = self._all_reduce
+
+
+def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, payload: torch.Tensor | None = None):
+    def run() -> None:
+        out = layer(x)
+        if payload is not None:
+            dist.all_reduce(payload)
+        out.backward(grad)
+        if payload is not None:
+            dist.all_reduce(payload)
+        x.grad = layer.weight.grad = layer.bias.grad = None
+
+    return run
+
+
+def _host_seconds(variants: dict, budget: Budget, clock: _CollectiveClock) -> dict[str, list[float]]:
+    """Per variant and repetition: host CPU seconds per call outside the all-reduces (the slowest rank's)."""
+    names = list(variants)
+    for name in names:
+        for _ in range(budget.warmup):
+            variants[name]()
+    times = torch.zeros(len(names), budget.reps, dtype=torch.float64)
+    for rep in range(budget.reps):
+        shift = rep % len(names)
+        for index in list(range(shift, len(names))) + list(range(shift)):
+            run = variants[names[index]]
+            dist.barrier()
+            clock.inside = 0.0
+            start = time.thread_time()
+            for _ in range(budget.inner):
+                run()
+            times[index, rep] = (time.thread_time() - start - clock.inside) / budget.inner
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return {name: times[i].tolist() for i, name in enumerate(names)}
+
+
+def measure(base_dir: str | None, quick: bool) -> list[dict]:
+    """On every rank: the host time of each case's variants; rank 0's rows are returned."""
+    from distsync import DistSyncBatchNorm2d
+    from distsync._syncbn.identity import payload_size
+
+    torch.manual_seed(0)
+    layers = {"distsync": DistSyncBatchNorm2d}
+    if base_dir is not None:
+        sys.path.insert(0, base_dir)
+        layers["base"] = importlib.import_module("distsync_base").DistSyncBatchNorm2d
+    rows = []
+    with _CollectiveClock() as clock:
+        for shape, dtype in CASES:
+            x = torch.randn(shape, dtype=dtype, requires_grad=True)
+            grad = torch.randn(shape, dtype=dtype)
+            payload = torch.zeros(payload_size(shape[1]), dtype=torch.float64)
+            variants = {"floor": _fwd_bwd(nn.BatchNorm2d(shape[1]), x, grad, payload)}
+            variants.update({name: _fwd_bwd(cls(shape[1]), x, grad) for name, cls in layers.items()})
+            small = shape[0] * shape[2] * shape[3] <= 512
+            budget = Budget(reps=5 if quick else 15, inner=(100 if small else 10) // (2 if quick else 1), warmup=20)
+            times = _host_seconds(variants, budget, clock)
+            row = {"case": f"{shape} {str(dtype).removeprefix('torch.')}"}
+            for name, values in times.items():
+                row[name] = statistics.median(values)
+                if name != "floor":
+                    row[f"{name}/floor"] = statistics.median(
+                        a / b for a, b in zip(values, times["floor"], strict=True)
+                    )
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("base", nargs="?", help="a git revision to measure beside this checkout")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as base_dir:
+        if args.base:
+            extract_base(args.base, Path(base_dir))
+        rows = run_world(measure, base_dir if args.base else None, args.quick)
+    names = ["floor", "distsync"] + (["base"] if args.base else [])
+    header = ["layer fwd+bwd, 2 gloo ranks", *(f"{n} (us)" for n in names), "distsync / floor"]
+    if args.base:
+        header.append(f"{args.base} / floor")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        cells = [row["case"], *(f"{row[n] * 1e6:.0f}" for n in names), f"{row['distsync/floor']:.2f}"]
+        if args.base:
+            cells.append(f"{row['base/floor']:.2f}")
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
