@@ -114,7 +114,8 @@ def measure(base_dir: str | None, quick: bool) -> list[dict]:
             variants = {"floor": _fwd_bwd(nn.BatchNorm2d(shape[1]), x, grad, payload)}
             variants.update({name: _fwd_bwd(cls(shape[1]), x, grad) for name, cls in layers.items()})
             small = shape[0] * shape[2] * shape[3] <= 512
-            budget = Budget(reps=5 if quick else 15, inner=(100 if small else 10) // (2 if quick else 1), warmup=20)
+            inner = (100 if small else 10) // (2 if quick else 1)
+            budget = Budget(reps=5 if quick else 15, inner=inner, warmup=20)
             times = _host_seconds(variants, budget, clock)
             row = {"case": f"{shape} {str(dtype).removeprefix('torch.')}"}
             for name, values in times.items():
