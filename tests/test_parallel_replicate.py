@@ -263,6 +263,24 @@ def test_a_replica_failing_in_backward_makes_the_others_raise_within_the_timeout
     assert time.monotonic() - start < 5.0
 
 
+def test_a_backward_on_one_thread_raises_at_once_instead_of_waiting(replicate, monkeypatch):
+    """``torch.autograd.set_multithreading_enabled(False)`` runs the copies' backward passes one after another
+    on the calling thread, where the first would wait for the others: it raises at once, saying why."""
+    monkeypatch.setattr(transport, "REPLICA_SYNC_TIMEOUT", 10.0)
+    model = nn.Sequential(distsync.DistSyncBatchNorm1d(3), nn.Tanh())
+    replicas = replicate(model, 2)
+    x = torch.randn(6, 3, requires_grad=True)
+    results, errors = run_threads([lambda r=r, c=c: r(c) for r, c in zip(replicas, x.split(3), strict=True)])
+    assert not errors
+    gathered = torch.cat([results[0], results[1]])
+    start = time.monotonic()
+    with pytest.raises(SyncError, match=r"set_multithreading_enabled\(False\)") as raised:
+        with torch.autograd.set_multithreading_enabled(False):
+            gathered.sum().backward()
+    assert time.monotonic() - start < 5.0
+    assert "DistributedDataParallel" in str(raised.value)
+
+
 def test_data_parallel_methods_wire_replicas_and_release_siblings(replicate, monkeypatch):
     """``replicate`` runs the callback and ``parallel_apply`` aborts the siblings of a failing replica at
     once (no timeout needed), for the subclass and for a patched plain ``nn.DataParallel``."""
