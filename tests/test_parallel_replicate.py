@@ -16,7 +16,7 @@ from bn_subclasses import ActNorm2d
 from torch import nn
 
 import distsync
-from distsync import SyncError
+from distsync import SyncError, check
 from distsync.batchnorm import _warn_unwired_replica
 from distsync.parallel import (
     DataParallelCriterion,
@@ -321,6 +321,22 @@ def test_replicated_without_callback_warns_once(replicate):
                 torch.testing.assert_close(out, nn.functional.batch_norm(chunk, None, None, training=True))
     unwired = [w for w in caught if "replication callback" in str(w.message)]
     assert len(unwired) == 1 and issubclass(unwired[0].category, RuntimeWarning)
+
+
+def test_the_cpu_check_of_the_shim_passes_and_sees_a_broken_transport(monkeypatch, capsys):
+    """``python -m distsync.check --shim``: DataParallel's copies emulated on the CPU, as the documented way
+    to check the shim without GPUs; it reports the shim's errors, so it fails when the transport is wrong."""
+    assert check.main(["--shim", "--nproc", "3"]) == 0
+    assert "12 passed, 0 failed" in capsys.readouterr().out
+    case = check.Case((2, 3), shape=(4, 3), dtype=torch.float64)
+    errors = check.run_shim_case(case)
+    assert max(errors.values()) < check.tolerance(case)
+    assert set(errors) >= {"output", "input grad", "weight grad", "running_var", "eval output"}
+
+    monkeypatch.setattr(transport, "replica_reducer", lambda *args: None)  # copies left unwired
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # that they cannot sync
+        assert max(check.run_shim_case(case).values()) > 1e-2
 
 
 class _LegacySum(nn.Module):
