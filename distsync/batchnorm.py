@@ -197,6 +197,16 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
             _warn_vendored(tuple(dropped))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def __prepare_scriptable__(self) -> nn.Module:
+        # torch.jit.script asks every module before compiling it: refuse with the way out, not a parse error.
+        where = f" at '{self._sync_state.path}'" if self._sync_state.path else ""
+        raise RuntimeError(
+            f"torch.jit.script cannot compile distsync's {type(self).__name__}{where}: its synchronization "
+            "across ranks is Python code. For export or inference, script "
+            "distsync.revert_sync_batchnorm(copy.deepcopy(model)), whose batch norms are torch's own; to "
+            "compile a synchronized model for training, use torch.compile."
+        )
+
     def _layer_name(self) -> str:
         return self._sync_state.layer_name or type(self).__name__
 

@@ -3,6 +3,11 @@
 Run ``python -m distsync.check --nproc 2``. It spawns gloo workers and compares :class:`DistSyncBatchNorm`
 on each rank's slice with float64 ``nn.BatchNorm`` on the concatenated batch: outputs, input gradients,
 summed parameter gradients and running statistics over several steps, then eval-mode outputs.
+
+``python -m distsync.check --shim --nproc 2`` checks the ``nn.DataParallel`` shim the same way, on the CPU:
+copies of the layer made and wired as ``distsync.parallel``'s DataParallel makes them on that many GPUs, each
+running in a thread of its own (see :func:`run_shim_case`). Without CUDA, ``nn.DataParallel`` calls the
+module itself, so this is how a CPU machine checks the shim's arithmetic.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ from distsync.batchnorm import (
     DistSyncBatchNorm2d,
     DistSyncBatchNorm3d,
 )
-from distsync.testing import WorkerFailed, run_world
+from distsync.parallel.replicate import exec_data_parallel_replication_callback
+from distsync.testing import WorkerFailed, run_threads, run_world
 
 _CLASSES = {
     2: (nn.BatchNorm1d, DistSyncBatchNorm1d),
@@ -82,18 +88,13 @@ def _relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual.detach().double().cpu() - expected).norm().item() / scale
 
 
-def run_case(case: Case, rank: int, seed: int = 0, device: str = "cpu") -> dict[str, float]:
-    """Run ``case`` on this rank of the current world; return the worst relative errors by quantity.
-
-    The reference runs in float64 on the CPU; the synced layer runs on ``device``.
-    """
+def _layers(case: Case, gen: torch.Generator, device: str) -> tuple[nn.Module, DistSyncBatchNorm]:
+    """The float64 reference layer of ``case`` and the synchronized layer, with the same affine parameters."""
     channels = case.shape[0]
-    ndim = len(case.shape) + 1
-    ref_cls, sync_cls = _CLASSES[ndim]
+    ref_cls, sync_cls = _CLASSES[len(case.shape) + 1]
     if case.generic_class:
         sync_cls = DistSyncBatchNorm
     options = dict(momentum=case.momentum, affine=case.affine, track_running_stats=case.track_running_stats)
-    gen = torch.Generator().manual_seed(seed)
     reference = ref_cls(channels, **options).double()
     param_dtype = case.param_dtype or (torch.float64 if case.dtype == torch.float64 else torch.float32)
     layer = sync_cls(channels, **options, device=device, dtype=param_dtype)
@@ -103,22 +104,69 @@ def run_case(case: Case, rank: int, seed: int = 0, device: str = "cpu") -> dict[
             reference.bias.copy_(torch.randn(channels, generator=gen, dtype=torch.float64))
             layer.weight.copy_(reference.weight)
             layer.bias.copy_(reference.bias)
+    return reference, layer
+
+
+def _global_batch(case: Case, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's global input (channels of random scales, ``case.offset`` from zero) and output gradient."""
+    ndim = len(case.shape) + 1
+    scale = torch.rand(case.shape[0], generator=gen, dtype=torch.float64) * 3 + 0.1
+    global_x = torch.randn(sum(case.sizes), *case.shape, generator=gen, dtype=torch.float64)
+    global_x = ((global_x + case.offset) * scale.view(1, -1, *[1] * (ndim - 2))).to(case.dtype)
+    global_dy = torch.randn(global_x.shape, generator=gen, dtype=torch.float64).to(case.dtype)
+    return global_x, global_dy
+
+
+def _memory_format(case: Case) -> torch.memory_format:
+    ndim = len(case.shape) + 1
+    if case.channels_last and ndim in (4, 5):
+        return torch.channels_last if ndim == 4 else torch.channels_last_3d
+    return torch.contiguous_format
+
+
+def _check_output(x: torch.Tensor, out: torch.Tensor, memory_format: torch.memory_format) -> None:
+    if out.dtype != x.dtype or out.shape != x.shape or not out.is_contiguous(memory_format=memory_format):
+        raise AssertionError(f"output {out.dtype} {out.stride()} differs from input {x.dtype} {x.stride()}")
+
+
+def _record(errors: dict[str, float], name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
+    errors[name] = max(errors.get(name, 0.0), _relative_error(actual, expected))
+
+
+def _record_layer(
+    errors: dict[str, float], prefix: str, layer: nn.Module, reference: nn.Module, sum_grad
+) -> None:
+    """Parameter gradients (summed over the participants by ``sum_grad``, then cleared) and running
+    statistics."""
+    if layer.affine:
+        for name in ("weight", "bias"):
+            grad = sum_grad(getattr(layer, name).grad.clone())
+            _record(errors, f"{prefix}{name} grad", grad, getattr(reference, name).grad)
+            getattr(layer, name).grad = None
+            getattr(reference, name).grad = None
+    if layer.track_running_stats:
+        _record(errors, f"{prefix}running_mean", layer.running_mean, reference.running_mean)
+        _record(errors, f"{prefix}running_var", layer.running_var, reference.running_var)
+        if layer.num_batches_tracked.item() != reference.num_batches_tracked.item():
+            raise AssertionError("num_batches_tracked differs from the reference")
+
+
+def run_case(case: Case, rank: int, seed: int = 0, device: str = "cpu") -> dict[str, float]:
+    """Run ``case`` on this rank of the current world; return the worst relative errors by quantity.
+
+    The reference runs in float64 on the CPU; the synced layer runs on ``device``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    reference, layer = _layers(case, gen, device)
     begin = sum(case.sizes[:rank])
     local = slice(begin, begin + case.sizes[rank])
     errors: dict[str, float] = {}
-
-    def record(name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
-        name = name if training else f"eval {name}"
-        errors[name] = max(errors.get(name, 0.0), _relative_error(actual, expected))
-
     for step in range(case.steps + 1):
         training = step < case.steps
+        prefix = "" if training else "eval "
         reference.train(training)
         layer.train(training)
-        scale = torch.rand(channels, generator=gen, dtype=torch.float64) * 3 + 0.1
-        global_x = torch.randn(sum(case.sizes), *case.shape, generator=gen, dtype=torch.float64)
-        global_x = ((global_x + case.offset) * scale.view(1, -1, *[1] * (ndim - 2))).to(case.dtype)
-        global_dy = torch.randn(global_x.shape, generator=gen, dtype=torch.float64).to(case.dtype)
+        global_x, global_dy = _global_batch(case, gen)
         # Like nn.SyncBatchNorm, eval without running statistics normalizes each rank's own batch.
         own_batch = not training and not case.track_running_stats
         if own_batch and case.sizes[rank] * math.prod(case.shape[1:]) <= 1:
@@ -127,34 +175,97 @@ def run_case(case: Case, rank: int, seed: int = 0, device: str = "cpu") -> dict[
         ref_x = global_x[ref_rows].to(torch.float64, copy=True).requires_grad_()
         ref_out = reference(ref_x)
         ref_out.backward(global_dy[ref_rows].double())
-        x = global_x[local].to(device, copy=True)
-        memory_format = torch.contiguous_format
-        if case.channels_last and ndim in (4, 5):
-            memory_format = torch.channels_last if ndim == 4 else torch.channels_last_3d
-            x = x.to(memory_format=memory_format)
-        x.requires_grad_()
+        memory_format = _memory_format(case)
+        x = global_x[local].to(device, copy=True).to(memory_format=memory_format).requires_grad_()
         out = layer(x)
         out.backward(global_dy[local].to(device))
         check_sync()  # on GPUs, raise any deferred desync or bad-input error here
-        if out.dtype != x.dtype or out.shape != x.shape or not out.is_contiguous(memory_format=memory_format):
-            raise AssertionError(
-                f"output {out.dtype} {out.stride()} differs from input {x.dtype} {x.stride()}"
-            )
-        record("output", out.detach(), ref_out.detach()[ref_local])
-        record("input grad", x.grad, ref_x.grad[ref_local])
-        if case.affine:
-            for name in ("weight", "bias"):
-                summed = getattr(layer, name).grad.clone()
-                if not own_batch:
-                    dist.all_reduce(summed)
-                record(f"{name} grad", summed, getattr(reference, name).grad)
-                getattr(layer, name).grad = None
-                getattr(reference, name).grad = None
-        if case.track_running_stats:
-            record("running_mean", layer.running_mean, reference.running_mean)
-            record("running_var", layer.running_var, reference.running_var)
-            if layer.num_batches_tracked.item() != reference.num_batches_tracked.item():
-                raise AssertionError("num_batches_tracked differs from the reference")
+        _check_output(x, out, memory_format)
+        _record(errors, f"{prefix}output", out.detach(), ref_out.detach()[ref_local])
+        _record(errors, f"{prefix}input grad", x.grad, ref_x.grad[ref_local])
+        _record_layer(errors, prefix, layer, reference, _own if own_batch else _summed_over_ranks)
+    return errors
+
+
+def _own(grad: torch.Tensor) -> torch.Tensor:
+    return grad
+
+
+def _summed_over_ranks(grad: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(grad)
+    return grad
+
+
+def _cpu_replicas(layer: DistSyncBatchNorm, copies: int) -> list[DistSyncBatchNorm]:
+    """``copies`` copies of ``layer`` as ``nn.DataParallel`` replicates it onto that many GPUs, made on the
+    CPU and wired by the replication callback: copy 0 holds the layer's own buffers, the others clones of
+    them; every copy holds differentiable aliases of the layer's parameters (not parameters of its own), so
+    that their gradients add up on the layer's parameters, as they do through DataParallel's broadcast."""
+    replicas = []
+    for index in range(copies):
+        replica = layer.__new__(type(layer))
+        replica.__dict__ = layer.__dict__.copy()
+        replica._parameters = {}
+        replica._buffers = {
+            name: buffer if index == 0 or buffer is None else buffer.clone()
+            for name, buffer in layer._buffers.items()
+        }
+        for name, parameter in layer._parameters.items():
+            replica.__dict__[name] = None if parameter is None else parameter.view_as(parameter)
+        replica._is_replica = True
+        replicas.append(replica)
+    exec_data_parallel_replication_callback(replicas)
+    return replicas
+
+
+def run_shim_case(case: Case, seed: int = 0) -> dict[str, float]:
+    """Run ``case`` through the ``nn.DataParallel`` shim on the CPU; return the worst relative errors.
+
+    One copy of the layer per entry of ``case.sizes``, made and wired as
+    :class:`distsync.parallel.ReplicationCallbackDataParallel` makes them on that many GPUs (copy 0 holds the
+    layer's buffers and alone updates them; every copy's parameter gradients add up on the layer's
+    parameters), replicated again at every step. Each copy runs forward and backward on its chunk of the
+    batch in a thread of its own, as DataParallel's devices do, meeting the others through the shim's replica
+    transport. Compared, as :func:`run_case`, with float64 ``nn.BatchNorm`` on the whole batch.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    reference, layer = _layers(case, gen, "cpu")
+    errors: dict[str, float] = {}
+    memory_format = _memory_format(case)
+
+    def forward_backward(replica: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+        x = x.to(memory_format=memory_format, copy=True).requires_grad_()
+        out = replica(x)
+        out.backward(dy)
+        _check_output(x, out, memory_format)
+        return out.detach(), x.grad
+
+    for step in range(case.steps + 1):
+        training = step < case.steps
+        prefix = "" if training else "eval "
+        reference.train(training)
+        layer.train(training)
+        global_x, global_dy = _global_batch(case, gen)
+        chunks, dy_chunks = global_x.split(case.sizes), global_dy.split(case.sizes)
+        own_batch = not training and not case.track_running_stats  # each copy normalizes its own chunk
+        if own_batch and min(case.sizes) * math.prod(case.shape[1:]) <= 1:
+            break  # one value per channel: nn.BatchNorm refuses it, and so does the layer
+        ref_x = global_x.to(torch.float64, copy=True).requires_grad_()
+        ref_chunks = ref_x.split(case.sizes) if own_batch else [ref_x]
+        ref_out = torch.cat([reference(chunk) for chunk in ref_chunks])
+        ref_out.backward(global_dy.double())
+        replicas = _cpu_replicas(layer, len(case.sizes))
+        calls = [
+            lambda r=r, x=x, dy=dy: forward_backward(r, x, dy)
+            for r, x, dy in zip(replicas, chunks, dy_chunks, strict=True)
+        ]
+        results, failures = run_threads(calls)
+        if failures:
+            raise next(iter(failures.values()))
+        outputs, input_grads = zip(*(results[index] for index in range(len(replicas))), strict=True)
+        _record(errors, f"{prefix}output", torch.cat(outputs), ref_out.detach())
+        _record(errors, f"{prefix}input grad", torch.cat(input_grads), ref_x.grad)
+        _record_layer(errors, prefix, layer, reference, _own)  # the copies' gradients have added up
     return errors
 
 
@@ -211,9 +322,17 @@ def default_cases(world_size: int) -> list[Case]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distsync.check", description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2, help="number of worker processes (default 2)")
+    parser.add_argument(
+        "--nproc", type=int, default=2, help="worker processes, or copies with --shim (default 2)"
+    )
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="where the synced layer runs (default cpu)"
+    )
+    parser.add_argument(
+        "--shim",
+        action="store_true",
+        help="check the nn.DataParallel shim instead: --nproc copies of the layer in threads of this "
+        "process, on the CPU, as DataParallel runs them on that many GPUs",
     )
     args = parser.parse_args(argv)
     if args.nproc < 1:
@@ -221,13 +340,18 @@ def main(argv: list[str] | None = None) -> int:
     cases = default_cases(args.nproc)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
+    if args.shim and args.device != "cpu":
+        parser.error("--shim runs on the CPU; on GPUs, run your DataParallel model itself")
     backend = cuda_backend(args.nproc) if args.device == "cuda" else "gloo"
-    print(
-        f"distsync self-check: {len(cases)} cases on {args.nproc} {backend} ranks, {args.device} "
-        f"(torch {torch.__version__})"
-    )
+    where = f"{args.nproc} {backend} ranks, {args.device}"
+    if args.shim:
+        where = f"{args.nproc} DataParallel copies in threads of one CPU process (the shim)"
+    print(f"distsync self-check: {len(cases)} cases on {where} (torch {torch.__version__})")
     try:
-        per_rank = run_world(_check_cases, args.nproc, cases, args.device, backend=backend)
+        if args.shim:
+            per_rank = [[run_shim_case(case, seed=0) for case in cases]]
+        else:
+            per_rank = run_world(_check_cases, args.nproc, cases, args.device, backend=backend)
     except WorkerFailed as failure:
         print(failure, file=sys.stderr)
         return 1

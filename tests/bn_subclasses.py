@@ -91,3 +91,16 @@ class SkipsEmptyNorm(nn.BatchNorm2d):
         if x.shape[0] == 0:
             return x
         return super().forward(x)
+
+
+class ReluNorm2d(nn.BatchNorm2d):
+    """Traceable by torch.fx, as timm's BatchNormAct2d: its own F.batch_norm call, then a ReLU."""
+
+    def forward(self, x):
+        if self.training and self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+        training = self.training or not self.track_running_stats
+        x = F.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, training, self.momentum, self.eps
+        )
+        return F.relu(x)

@@ -1,5 +1,8 @@
 """convert_sync_batchnorm / revert_sync_batchnorm keep parameters, buffers and state_dict compatibility."""
 
+import copy
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -7,6 +10,7 @@ from torch import nn
 import distsync
 from distsync._syncbn.identity import layer_path
 from distsync.batchnorm import DistSyncSyncBatchNorm
+from distsync.testing import run_world
 
 
 def _model():
@@ -142,3 +146,96 @@ def test_keeps_the_process_group_of_an_nn_syncbatchnorm():
     layer = nn.SyncBatchNorm(3, process_group="group-sentinel")
     assert distsync.convert_sync_batchnorm(layer).process_group == "group-sentinel"
     assert distsync.convert_sync_batchnorm(layer, process_group="other").process_group == "other"
+
+
+def _conversion_warnings(model):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        converted = distsync.convert_sync_batchnorm(model)
+    return converted, [str(w.message) for w in caught if "convert_sync_batchnorm" in str(w.message)]
+
+
+def test_a_model_without_batch_norm_is_said_once():
+    _, said = _conversion_warnings(nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.LayerNorm(4), nn.ReLU())))
+    assert len(said) == 1 and "holds no batch norm" in said[0] and "nothing converted" in said[0]
+    converted, said = _conversion_warnings(_model())
+    assert said == []
+    assert _conversion_warnings(converted)[1] == []  # already synchronized: nothing to say either
+
+
+def test_quantized_batch_norms_are_left_alone_and_named_in_one_line():
+    quantized = pytest.importorskip("torch.ao.nn.quantized")
+    from torch.ao.nn.intrinsic.quantized import BNReLU2d
+
+    model = nn.Sequential(quantized.BatchNorm2d(3), nn.Sequential(BNReLU2d(3)), nn.BatchNorm2d(3))
+    kept = [model[0], model[1][0]]
+    converted, said = _conversion_warnings(model)
+    assert converted[0] is kept[0] and converted[1][0] is kept[1]
+    assert isinstance(converted[2], distsync.DistSyncBatchNorm2d)
+    assert len(said) == 1 and "\n" not in said[0]
+    assert "left 0 (torch.ao.nn.quantized" in said[0]
+    assert "1.0 (torch.ao.nn.intrinsic.quantized" in said[0] and "quantized batch norm" in said[0]
+
+
+class _Positive(nn.Module):
+    def forward(self, weight):
+        return weight.exp()
+
+    def right_inverse(self, weight):
+        return weight.log()
+
+
+def test_a_parametrized_layer_converts_keeping_its_parametrization_and_reverts():
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)).double()
+    parametrize.register_parametrization(plain[1], "weight", _Positive())
+    model = copy.deepcopy(plain)
+    original = model[1].parametrizations.weight.original
+    converted = distsync.convert_sync_batchnorm(model)
+    layer = converted[1]
+    assert isinstance(layer, distsync.DistSyncBatchNorm2d) and parametrize.is_parametrized(layer, "weight")
+    assert layer.parametrizations.weight.original is original
+    x = torch.randn(5, 3, 4, 4, dtype=torch.float64)
+    converted(x).square().sum().backward()
+    plain(x).square().sum().backward()
+    assert torch.equal(original.grad, plain[1].parametrizations.weight.original.grad)
+    assert torch.equal(layer.running_var, plain[1].running_var)
+    reverted = distsync.revert_sync_batchnorm(converted)[1]
+    assert type(reverted).__mro__[1] is nn.BatchNorm2d and parametrize.is_parametrized(reverted, "weight")
+    assert reverted.parametrizations.weight.original is original
+    assert run_world(_parametrized_world, 2) == [True, True]
+
+
+def _parametrized_world(rank, world_size):
+    """Each rank's slice through the converted parametrized layer: the plain layer on the whole batch."""
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    plain = nn.BatchNorm2d(3).double()
+    parametrize.register_parametrization(plain, "weight", _Positive())
+    synced = distsync.convert_sync_batchnorm(copy.deepcopy(plain))
+    x = torch.randn(5, 3, 2, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    rows = slice(0, 2) if rank == 0 else slice(2, 5)
+    out = synced(x[rows])
+    (out * x[rows]).sum().backward()
+    expected = plain(x)
+    (expected * x).sum().backward()
+    grad = synced.parametrizations.weight.original.grad.clone()
+    torch.distributed.all_reduce(grad)
+    torch.testing.assert_close(out, expected[rows])
+    torch.testing.assert_close(grad, plain.parametrizations.weight.original.grad)
+    torch.testing.assert_close(synced.running_var, plain.running_var)
+    return True
+
+
+def test_jit_script_of_a_synchronized_layer_names_distsync_and_the_way_out():
+    model = distsync.convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)))
+    with pytest.raises(
+        RuntimeError, match=r"DistSyncBatchNorm2d at '1'.*revert_sync_batchnorm.*torch.compile"
+    ):
+        torch.jit.script(model)
+    scripted = torch.jit.script(distsync.revert_sync_batchnorm(copy.deepcopy(model)).eval())
+    x = torch.randn(2, 3, 4, 4)
+    torch.testing.assert_close(scripted(x), model.eval()(x))

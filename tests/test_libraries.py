@@ -10,6 +10,8 @@ import copy
 import _vision
 import pytest
 import torch
+import torch.fx
+from bn_subclasses import ReluNorm2d
 from torch import nn
 
 import distsync
@@ -196,6 +198,143 @@ def test_mmengine_init_cfg_matches_converted_layers_as_it_matches_the_originals(
             original = plain.get_submodule(name)
             assert torch.equal(layer.weight, original.weight) and torch.equal(layer.bias, original.bias)
             assert layer.weight.eq(2.0).all(), name
+
+
+class _Mixin:
+    pass
+
+
+class _OwnBN(nn.BatchNorm2d):
+    pass
+
+
+class _SubOwnBN(_OwnBN):
+    pass
+
+
+class _MixedBN(_Mixin, nn.BatchNorm2d):
+    pass
+
+
+class _DirectBN(nn.modules.batchnorm._BatchNorm):
+    def _check_input_dim(self, input):
+        pass
+
+
+@pytest.mark.parametrize(
+    "layer", ["BatchNorm2d", "_BatchNorm", "_OwnBN", "_SubOwnBN", "_Mixin", "ReluNorm2d"]
+)
+def test_mmengine_init_cfg_by_type_reaches_converted_subclasses_as_it_reaches_the_originals(layer):
+    """mmengine matches a layer by the names of its class and of that class's direct bases."""
+    mmengine_model = pytest.importorskip("mmengine.model")
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.BatchNorm2d(3),
+            _OwnBN(3),
+            _SubOwnBN(3),
+            _MixedBN(3),
+            _DirectBN(3),
+            ReluNorm2d(3),
+            nn.SyncBatchNorm(3),
+        )
+
+    plain, converted = build(), distsync.convert_sync_batchnorm(build())
+    for model in (plain, converted):
+        mmengine_model.initialize(model, dict(type="Constant", layer=[layer], val=2.0, bias=0.5))
+    initialized = [i for i, original in enumerate(plain) if original.weight.eq(2.0).all()]
+    assert initialized  # each case reaches some of the originals
+    for index, (got, original) in enumerate(zip(converted, plain, strict=True)):
+        assert isinstance(got, distsync.DistSyncBatchNorm)
+        assert torch.equal(got.weight, original.weight) and torch.equal(got.bias, original.bias), (
+            layer,
+            index,
+        )
+
+
+def _conv_bn_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3),
+        ReluNorm2d(4),
+        nn.Conv2d(4, 4, 1),
+        nn.BatchNorm2d(4),
+        nn.Conv2d(4, 2, 1),
+        ReluNorm2d(2),
+    ).double()
+    with torch.no_grad():  # running statistics of their own
+        for _ in range(3):
+            model(torch.randn(8, 3, 6, 6, dtype=torch.float64) * 2 + 1)
+    return model.eval()
+
+
+def test_conv_bn_fusers_see_a_converted_model_as_the_original_in_eval():
+    """mmengine's efficient_conv_bn_eval rewrites each traced conv followed by a batch-norm module node: it
+    must not swallow a converted subclass whose forward adds a ReLU (the original is traced through)."""
+    pytest.importorskip("mmengine")
+    from mmengine.model.efficient_conv_bn_eval import turn_on_efficient_conv_bn_eval_for_single_model
+    from torch.fx.experimental.optimization import fuse
+
+    plain = _conv_bn_model()
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    expected = plain(x)
+    converted = distsync.convert_sync_batchnorm(copy.deepcopy(plain))
+    torch.testing.assert_close(fuse(converted)(x), expected)
+    turn_on_efficient_conv_bn_eval_for_single_model(converted)
+    torch.testing.assert_close(converted(x), expected)
+    assert converted(x).min() >= 0  # the last ReLU is there
+
+
+class _KeepsReluNormWhole(torch.fx.Tracer):
+    def is_leaf_module(self, module, name):
+        return type(module) is ReluNorm2d or super().is_leaf_module(module, name)
+
+
+def _nodes(graph_module):
+    """The graph's nodes as (op, target), the layer objects that a synchronized call reads left out."""
+    nodes = [(n.op, getattr(n.target, "__name__", n.target)) for n in graph_module.graph.nodes]
+    layers = {name for name, module in graph_module.named_modules() if isinstance(module, nn.BatchNorm2d)}
+    return [(op, target) for op, target in nodes if not (op == "get_attr" and target in layers)]
+
+
+def test_fx_records_a_converted_subclass_as_it_records_the_original():
+    """Traced through where the tracer traces the subclass through (its ReLU kept; a training batch norm
+    becomes a synchronized call), one call_module node where the tracer keeps the subclass whole."""
+    plain = _conv_bn_model()
+    for mode in ("eval", "train"):
+        converted = distsync.convert_sync_batchnorm(copy.deepcopy(plain))
+        expected = _nodes(torch.fx.symbolic_trace(getattr(plain, mode)()))
+        if mode == "train":
+            expected = [(op, "synchronized_batch_norm" if t == "batch_norm" else t) for op, t in expected]
+        assert _nodes(torch.fx.symbolic_trace(getattr(converted, mode)())) == expected, mode
+        assert ("call_function", "relu") in expected
+        whole = _nodes(torch.fx.GraphModule(plain, _KeepsReluNormWhole().trace(plain)))
+        assert ("call_module", "1") in whole
+        assert _nodes(torch.fx.GraphModule(converted, _KeepsReluNormWhole().trace(converted))) == whole
+    assert run_world(_traced_training_world, 2) == [True, True]
+
+
+def _traced_training_world(rank, world_size):
+    """A graph traced from a converted model in training mode synchronizes its subclass layers."""
+    plain = _conv_bn_model().train()
+    graph = torch.fx.symbolic_trace(distsync.convert_sync_batchnorm(copy.deepcopy(plain)))
+    x = torch.randn(7, 3, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    rows = slice(0, 3) if rank == 0 else slice(3, 7)
+    local = x[rows].clone().requires_grad_()
+    out = graph(local)
+    out.square().sum().backward()
+    whole = x.clone().requires_grad_()
+    expected = plain(whole)
+    expected.square().sum().backward()
+    torch.testing.assert_close(out, expected[rows])
+    torch.testing.assert_close(local.grad, whole.grad[rows])
+    for got, want in zip(graph.parameters(), plain.parameters(), strict=True):
+        grad = got.grad.clone()
+        torch.distributed.all_reduce(grad)
+        torch.testing.assert_close(grad, want.grad)
+    torch.testing.assert_close(graph.get_submodule("1").running_var, plain[1].running_var)
+    return True
 
 
 def _unwrapped_world(rank, world_size, wrap):

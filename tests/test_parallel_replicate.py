@@ -16,7 +16,7 @@ from bn_subclasses import ActNorm2d
 from torch import nn
 
 import distsync
-from distsync import SyncError
+from distsync import SyncError, check
 from distsync.batchnorm import _warn_unwired_replica
 from distsync.parallel import (
     DataParallelCriterion,
@@ -263,6 +263,24 @@ def test_a_replica_failing_in_backward_makes_the_others_raise_within_the_timeout
     assert time.monotonic() - start < 5.0
 
 
+def test_a_backward_on_one_thread_raises_at_once_instead_of_waiting(replicate, monkeypatch):
+    """``torch.autograd.set_multithreading_enabled(False)`` runs the copies' backward passes one after another
+    on the calling thread, where the first would wait for the others: it raises at once, saying why."""
+    monkeypatch.setattr(transport, "REPLICA_SYNC_TIMEOUT", 10.0)
+    model = nn.Sequential(distsync.DistSyncBatchNorm1d(3), nn.Tanh())
+    replicas = replicate(model, 2)
+    x = torch.randn(6, 3, requires_grad=True)
+    results, errors = run_threads([lambda r=r, c=c: r(c) for r, c in zip(replicas, x.split(3), strict=True)])
+    assert not errors
+    gathered = torch.cat([results[0], results[1]])
+    start = time.monotonic()
+    with pytest.raises(SyncError, match=r"set_multithreading_enabled\(False\)") as raised:
+        with torch.autograd.set_multithreading_enabled(False):
+            gathered.sum().backward()
+    assert time.monotonic() - start < 5.0
+    assert "DistributedDataParallel" in str(raised.value)
+
+
 def test_data_parallel_methods_wire_replicas_and_release_siblings(replicate, monkeypatch):
     """``replicate`` runs the callback and ``parallel_apply`` aborts the siblings of a failing replica at
     once (no timeout needed), for the subclass and for a patched plain ``nn.DataParallel``."""
@@ -303,6 +321,22 @@ def test_replicated_without_callback_warns_once(replicate):
                 torch.testing.assert_close(out, nn.functional.batch_norm(chunk, None, None, training=True))
     unwired = [w for w in caught if "replication callback" in str(w.message)]
     assert len(unwired) == 1 and issubclass(unwired[0].category, RuntimeWarning)
+
+
+def test_the_cpu_check_of_the_shim_passes_and_sees_a_broken_transport(monkeypatch, capsys):
+    """``python -m distsync.check --shim``: DataParallel's copies emulated on the CPU, as the documented way
+    to check the shim without GPUs; it reports the shim's errors, so it fails when the transport is wrong."""
+    assert check.main(["--shim", "--nproc", "3"]) == 0
+    assert "12 passed, 0 failed" in capsys.readouterr().out
+    case = check.Case((2, 3), shape=(4, 3), dtype=torch.float64)
+    errors = check.run_shim_case(case)
+    assert max(errors.values()) < check.tolerance(case)
+    assert set(errors) >= {"output", "input grad", "weight grad", "running_var", "eval output"}
+
+    monkeypatch.setattr(transport, "replica_reducer", lambda *args: None)  # copies left unwired
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # that they cannot sync
+        assert max(check.run_shim_case(case).values()) > 1e-2
 
 
 class _LegacySum(nn.Module):

@@ -8,7 +8,10 @@ parameters, buffers, attributes) and runs the subclass's forward. In training mo
 that forward makes through ``F.batch_norm`` or ``torch.batch_norm``, directly or through the base class's
 forward, is routed to the synchronized layer by a ``TorchFunctionMode`` active during that forward only
 (``torch.compile`` traces it too). A forward that makes no such call computes its statistics some other way,
-which cannot be synchronized: its first training call raises, on every rank.
+which cannot be synchronized: its first training call raises, on every rank. Under ``torch.fx``
+symbolic tracing a twin is recorded as the tracer records the subclass (a leaf, or its forward traced
+through with the batch-norm call synchronized), and mmengine's ``init_cfg``, which matches a layer by the
+names of its class and of that class's direct bases, finds the twin by the subclass's names.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from distsync._syncbn import compiled as _compiled
 from distsync._syncbn import fx as _fx
 from distsync.batchnorm import BatchNormNd, DistSyncBatchNorm
 
-__all__ = ["original_class", "twin_class"]
+__all__ = ["class_listing_bases", "original_class", "synchronized_batch_norm", "twin_class"]
 
 # The batch-norm functions a subclass's forward may call, with their parameter names in order.
 _STATS, _REST = ("running_mean", "running_var"), ("training", "momentum", "eps")
@@ -39,11 +42,14 @@ _DEFAULTS = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "
 
 
 class _RouteBatchNorm(TorchFunctionMode):
-    """Within a twin's training forward: send its batch-norm calls to the synchronized layer."""
+    """Within a twin's training forward: send its batch-norm calls to the synchronized layer. Under a
+    ``torch.fx`` symbolic trace (``tracer``), a training call is recorded as a call of
+    :func:`synchronized_batch_norm` instead, so that the traced graph synchronizes when it runs."""
 
-    def __init__(self, layer: DistSyncBatchNorm) -> None:
+    def __init__(self, layer: DistSyncBatchNorm, tracer=None) -> None:
         super().__init__()
         self.layer = layer
+        self.tracer = tracer
         self.calls = 0  # batch-norm calls seen, synchronized or not
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -53,32 +59,67 @@ class _RouteBatchNorm(TorchFunctionMode):
             return func(*args, **kwargs)
         self.calls += 1
         call = {**_DEFAULTS, **dict(zip(names, args, strict=False)), **kwargs}
-        if not call["training"]:  # normalizes with the statistics it is given: nothing to sync
+        if call["training"] is False:  # normalizes with the statistics it is given: nothing to sync
             return func(*args, **kwargs)
-        layer = self.layer
-        updates = layer._updates_running_stats  # DataParallel copies other than copy 0 do not
-        output = layer._sync_batch_norm(
-            call["input"],
-            call["weight"],
-            call["bias"],
-            call["running_mean"] if updates else None,
-            call["running_var"] if updates else None,
-            None,  # the subclass's forward counts num_batches_tracked itself, as it did before
-            call["momentum"],
-            call["eps"],
-        )
+        arguments = (self.layer, *(call[name] for name in _SIGNATURES[F.batch_norm]))
+        if self.tracer is not None:  # the graph calls the layer's sync when it runs
+            return self.tracer.create_proxy("call_function", synchronized_batch_norm, arguments, {})
+        output = _synced_or_none(*arguments)
         return func(*args, **kwargs) if output is None else output
 
 
-def _refuse(layer: DistSyncBatchNorm, args: tuple) -> None:
-    """Raise for a twin whose forward made no batch-norm call: on every rank, through the sync."""
+def _synced_or_none(
+    layer: DistSyncBatchNorm, input, running_mean, running_var, weight, bias, training, momentum, eps
+) -> Tensor | None:
+    """``F.batch_norm``'s call, synchronized by ``layer``; None where it normalizes locally (not training,
+    or nobody to sync with)."""
+    if not training:
+        return None
+    updates = layer._updates_running_stats  # DataParallel copies other than copy 0 do not
+    return layer._sync_batch_norm(
+        input,
+        weight,
+        bias,
+        running_mean if updates else None,
+        running_var if updates else None,
+        None,  # the subclass's forward counts num_batches_tracked itself, as it did before
+        momentum,
+        eps,
+    )
+
+
+def synchronized_batch_norm(
+    layer: DistSyncBatchNorm,
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float | None = 0.1,
+    eps: float = 1e-5,
+) -> Tensor:
+    """``F.batch_norm`` as a converted subclass's forward calls it, synchronized by the twin ``layer``: what
+    a ``torch.fx`` graph traced through that forward calls in its place."""
+    output = _synced_or_none(layer, input, running_mean, running_var, weight, bias, training, momentum, eps)
+    if output is None:
+        output = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    return output
+
+
+def _unsyncable(layer: DistSyncBatchNorm) -> str:
     name = original_class(type(layer)).__name__
-    message = (
+    return (
         f"{name} cannot be synchronized: its forward computes its batch statistics without F.batch_norm or "
         f"the base class's forward, so distsync has nothing to route through the sync. Make {name}.forward "
         "normalize with F.batch_norm (or super().forward()), or replace the layer before converting (e.g. by "
         "a distsync.DistSyncBatchNorm followed by what its forward adds)."
     )
+
+
+def _refuse(layer: DistSyncBatchNorm, args: tuple) -> None:
+    """Raise for a twin whose forward made no batch-norm call: on every rank, through the sync."""
+    message = _unsyncable(layer)
     input = args[0] if args else None
     if isinstance(input, Tensor) and input.dim() >= 1:  # the peers at this call learn it from the sync
         layer._sync_batch_norm(input, None, None, None, None, None, 0.0, layer.eps, problem=message)
@@ -87,8 +128,8 @@ def _refuse(layer: DistSyncBatchNorm, args: tuple) -> None:
 
 def _twin_forward(twin: type):
     def forward(self, *args, **kwargs):
-        if args and _fx.is_proxy(args[0]):  # symbolically traced: a leaf, as the synchronized layers are
-            return _fx.leaf_call(self, args[0])
+        if args and _fx.is_proxy(args[0]):  # symbolically traced: as the tracer sees the original class
+            return _traced_forward(twin, self, args, kwargs)
         if not self.training:
             return super(twin, self).forward(*args, **kwargs)
         if torch.compiler.is_compiling() and not _compiled.TRACEABLE:
@@ -96,6 +137,22 @@ def _twin_forward(twin: type):
         return _routed_forward(twin, self, args, kwargs)
 
     return forward
+
+
+def _traced_forward(twin: type, self: DistSyncBatchNorm, args: tuple, kwargs: dict):
+    """A twin under ``torch.fx`` symbolic tracing, recorded as the tracer records the subclass: one
+    ``call_module`` node where it keeps the subclass a leaf, else the subclass's own forward traced through
+    (its activation and other operations kept, as conv-BN fusers and mmengine's ``efficient_conv_bn_eval``
+    saw them), its training-mode batch norm recorded as a synchronized call."""
+    proxy = args[0]
+    if _fx.traced_as_leaf(proxy, self, original_class(twin)):
+        return _fx.leaf_call(self, proxy)
+    route = _RouteBatchNorm(self, proxy.tracer)
+    with route:
+        output = super(twin, self).forward(*args, **kwargs)
+    if route.calls == 0 and self.training:  # the graph would normalize each rank's batch by itself
+        raise ValueError(_unsyncable(self))
+    return output
 
 
 def _routed_forward(twin: type, self: DistSyncBatchNorm, args: tuple, kwargs: dict):
@@ -171,13 +228,34 @@ def twin_class(cls: type[_BatchNorm]) -> type[DistSyncBatchNorm]:
     synchronization.
     """
     base = next(c for c in cls.__mro__ if c.__module__.startswith("torch.") or c is BatchNormNd)
-    twin = type(
+    twin = class_listing_bases(
         f"DistSync{cls.__name__}",
         (cls, _local_base(base), DistSyncBatchNorm),
         {"__module__": __name__, "_distsync_original": cls, "__reduce_ex__": _reduce_ex},
+        also=cls.__bases__,
     )
     twin.forward = _twin_forward(twin)
     return twin
+
+
+def class_listing_bases(name: str, bases: tuple[type, ...], namespace: dict, also: tuple[type, ...]) -> type:
+    """``type(name, bases, namespace)``, with the classes of ``also`` among its direct bases too where that
+    leaves its method resolution order as it is.
+
+    mmengine's ``init_cfg`` (``dict(type="Constant", layer=["BatchNorm2d"])``) matches a module by the names
+    of its class and of that class's direct bases: a class that replaces another lists the other's direct
+    bases, so that it is matched wherever the other was.
+    """
+    plain = type(name, bases, namespace)
+    order = plain.__mro__[1:]
+    listed = tuple(sorted({*bases, *(c for c in also if c in order)}, key=order.index))
+    if listed == bases:
+        return plain
+    try:
+        named = type(name, listed, dict(namespace))
+    except TypeError:  # no consistent order
+        return plain
+    return named if named.__mro__[1:] == order else plain
 
 
 def original_class(cls: type) -> type | None:

@@ -14,12 +14,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from distsync._syncbn.transport import ProcessGroupReducer, process_group_reducer
+from distsync.errors import SyncError
 from distsync.parallel.comm import SlavePipe, SyncMaster
 
 __all__ = ["ReplicaReducer", "replica_reducer", "REPLICA_SYNC_TIMEOUT"]
 
 REPLICA_SYNC_TIMEOUT = 300.0
 """Seconds a copy waits for its sibling copies before every copy raises (read when replicas are wired)."""
+
+
+_ONE_THREAD = (
+    "the nn.DataParallel copies of a synchronized batch norm meet in backward, each on the autograd thread "
+    "of its device, but this backward runs on one thread (torch.autograd.set_multithreading_enabled(False)): "
+    "the first copy would wait for the others forever. Run the backward with multithreading enabled (torch's "
+    "default), or move to torchrun + DistributedDataParallel (docs/migration.md)."
+)
 
 
 class _ReplicaGroup:
@@ -46,7 +55,9 @@ class ReplicaReducer:
     ``all_reduce`` blocks until every copy of the layer in this process has sent its payload for the same
     call, then returns the sum over copies (and over the ranks of the process group, if any). Payloads
     travel through host memory: they are O(C) float64 vectors, and ``unpack`` reads them on the host anyway.
-    Waits are bounded by :data:`REPLICA_SYNC_TIMEOUT`; a failure on one copy makes every copy raise.
+    Waits are bounded by :data:`REPLICA_SYNC_TIMEOUT`; a failure on one copy makes every copy raise. A
+    backward run on one thread (``torch.autograd.set_multithreading_enabled(False)``) raises at once: the
+    copies' backward passes would run one after another, the first waiting for the others.
 
     Every process of a hierarchical run must replicate over the same number of devices.
     """
@@ -69,6 +80,12 @@ class ReplicaReducer:
         """Every copy makes every call itself: nothing to say."""
 
     def all_reduce(self, payload: Tensor) -> Tensor:
+        if not torch.autograd.is_multithreading_enabled():
+            # Only in a backward run under torch.autograd.set_multithreading_enabled(False): the copies'
+            # backward passes then run one after another on this thread, the first waiting for the others.
+            error = SyncError(_ONE_THREAD)
+            self._group.master.abort(error)
+            raise error
         message = payload.detach().cpu()
         if self._pipe is None:
             self._group.device = payload.device
