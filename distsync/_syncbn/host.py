@@ -7,9 +7,9 @@ same work as torch ops is a few dozen dispatches. The tensors the caller can see
 the running statistics, ``num_batches_tracked``) are still made and updated by torch ops, so autograd's
 version counters and tensor subclasses see what they would see with ``nn.BatchNorm``.
 
-The numerics are those of :mod:`distsync._syncbn.kernels`' CPU passes: the input shifted by a per-channel
-origin near its mean (so that a mean far from zero costs the sums nothing), sums accurate to float32's
-rounding or better, and a float64 merge. The payload's layout and the tail are those of
+The numerics: the input shifted by a per-channel center near this rank's mean (so that a mean far from zero
+costs the sums and the normalization nothing), sums accurate to float32's rounding or better
+(``_syncbn.sums``), and a float64 merge. The payload's layout and the tail are those of
 :mod:`distsync._syncbn.moments` and :mod:`distsync._syncbn.identity`.
 """
 
@@ -24,7 +24,7 @@ from torch import Tensor
 from distsync._syncbn import moments as _moments
 from distsync._syncbn import sums as _sums
 from distsync._syncbn.identity import COUNT, FAILED, GUARD, TAIL, CallTag, payload_size
-from distsync._syncbn.kernels import origin, per_channel
+from distsync._syncbn.kernels import per_channel
 
 __all__ = [
     "Coefficients",
@@ -38,6 +38,7 @@ __all__ = [
     "check",
     "normalize",
     "pack",
+    "np_dtype",
     "pack_sums",
     "to_tensor",
 ]
@@ -65,22 +66,43 @@ def as_numpy(tensor: Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def local(input: Tensor, count: int, scratch: dict) -> HostLocal:
-    """The pass that reads the input for its statistics: ``count`` values per channel."""
+def local(
+    input: Tensor, count: int, scratch: dict, replay: tuple[np.ndarray | None] | None = None
+) -> HostLocal:
+    """The pass that reads the input for its statistics: ``count`` values per channel, around this rank's
+    local mean of the previous call (a recomputation, ``replay``: around the original call's center).
+
+    The nearer the center is to the mean, the fewer digits the sums and the normalization of the shifted
+    input lose (none worth counting within a standard deviation). Where the previous call's mean is further
+    than that from this one's (the first call, a jump in the data), the pass is made again around this
+    call's own mean, on this rank alone: the center only has to be near this rank's values, every rank's
+    payload is in the coordinates of the shared shift whatever its center.
+    """
     if input.dtype in _HALF:
         # Mean and biased variance straight from the half input, without a float32 copy of it. The kernel's
         # parameter type is that of the running buffers (the input's without them: half statistics, whose
         # variance overflows at std 256): float32 scratch buffers, left as they were by momentum 0, make it
         # return float32 statistics accumulated in float32 (Normalization.cpp's mixed-type path).
-        scratch = input.new_empty((2, input.shape[1]), dtype=torch.float32)
-        mean, var = torch.batch_norm_update_stats(input, scratch[0], scratch[1], 0.0)
+        stats = input.new_empty((2, input.shape[1]), dtype=torch.float32)
+        mean, var = torch.batch_norm_update_stats(input, stats[0], stats[1], 0.0)
         m, v = mean.numpy().astype(np.float64), var.numpy().astype(np.float64)
         return HostLocal(input, None, m * count, (v + m * m) * count)
-    # Shifted near the mean, the sums keep the input's precision however far the mean is from zero.
-    center = origin(input)
-    z = input - per_channel(center, input.dim())
-    sums, squares = _sums.moment_sums(z, scratch)
-    return HostLocal(z, center.numpy().astype(np.float64), as_numpy(sums), as_numpy(squares))
+    replaying = replay is not None
+    center = replay[0] if replaying else scratch.get(("center", input.dtype))
+    dtype = np_dtype(input.dtype)  # a center in the input's dtype, subtracted exactly as given
+    while True:
+        z = input if center is None else input - per_channel(torch.from_numpy(center), input.dim())
+        sums, squares = _sums.moment_sums(z, scratch)
+        s1, s2 = as_numpy(sums).astype(np.float64), as_numpy(squares).astype(np.float64)
+        mean = s1 / count
+        if replaying or not np.any(mean * mean > s2 / count - mean * mean):  # NaN compares False
+            break
+        center = (mean if center is None else center + mean).astype(dtype)  # again, around this mean
+    if not replaying:  # the next call's center: this rank's mean, 0 where it is not finite
+        moved = (mean if center is None else center + mean).astype(dtype)
+        scratch[("center", input.dtype)] = np.nan_to_num(moved, nan=0.0, posinf=0.0, neginf=0.0)
+    used = None if center is None else center.astype(np.float64)
+    return HostLocal(z, used, s1, s2)
 
 
 def pack(
@@ -165,7 +187,7 @@ def coefficients(
         kept = None
     # a copy: a numpy view would pin the parameter's storage (FSDP frees and regrows it between steps)
     scale = invstd if weight is None else invstd * weight.detach().to(torch.float64, copy=True).numpy()
-    rows = np.empty((2, var.size), dtype=_np_dtype(dtype))
+    rows = np.empty((2, var.size), dtype=np_dtype(dtype))
     rows[0] = scale
     rows[1] = merged.mean if center is None else merged.mean - center
     scale_t, mean_t = torch.from_numpy(rows[0]), torch.from_numpy(rows[1])
@@ -195,7 +217,7 @@ def grad_input(dy: Tensor, z: Tensor, coef: Coefficients, reduced: np.ndarray) -
     constant in one eval-mode batch-norm pass of z, plus ``scale * dy``."""
     factor = -coef.scale / coef.count
     dtype = coef.mean.dtype
-    terms = np.empty((2, factor.size), dtype=_np_dtype(dtype))
+    terms = np.empty((2, factor.size), dtype=np_dtype(dtype))
     terms[0] = factor * coef.invstd * coef.invstd * reduced[1]
     if coef.kept is not None:  # clipped variance: no gradient through it in clipped channels
         terms[0] *= coef.kept
@@ -213,7 +235,7 @@ def grad_input(dy: Tensor, z: Tensor, coef: Coefficients, reduced: np.ndarray) -
 def to_tensor(values: np.ndarray, dtype: torch.dtype) -> Tensor:
     """A CPU tensor of ``dtype`` holding float64 host ``values`` (rounded once)."""
     if dtype in _NUMPY_FLOATS:
-        return torch.from_numpy(values.astype(_np_dtype(dtype)))
+        return torch.from_numpy(values.astype(np_dtype(dtype)))
     return torch.from_numpy(values).to(dtype)
 
 
@@ -235,5 +257,5 @@ def check(payload: np.ndarray, tag: CallTag, world_size: int, problem: str | Non
     return verdict.count
 
 
-def _np_dtype(dtype: torch.dtype):
+def np_dtype(dtype: torch.dtype):
     return np.float64 if dtype == torch.float64 else np.float32
