@@ -23,6 +23,7 @@ __all__ = [
     "disable_dynamo",
     "give_ddp_join_count",
     "graph_task_id",
+    "leave_out_of_ddp_buffer_sync",
     "mark_constant_for_dynamo",
     "process_group_timeout",
     "set_ddp_ignored",
@@ -97,6 +98,24 @@ def set_ddp_ignored(model: torch.nn.Module, names: list[str]) -> None:
     gradient all-reduce): ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``, torch's
     own (private) way, which Lightning's and other strategies honour because DDP reads it at construction."""
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+def leave_out_of_ddp_buffer_sync(ddp: DistributedDataParallel, names: set[str]) -> bool:
+    """Make a DDP model leave these buffers (names from ``ddp.module``) out of its buffer broadcast before
+    each forward and at the end of ``Join``, from its next forward on; its other buffers are broadcast as
+    before. Returns whether DDP's buffer list changed.
+
+    DDP keeps the names it leaves alone in ``parameters_to_ignore`` (a set read at construction from the
+    module's ``_ddp_params_and_buffers_to_ignore``) and rebuilds its buffer list from it with
+    ``_assign_modules_buffers`` (2.0 to 2.14 at least); a buffer name never matches a parameter's, whose
+    gradient reduction was fixed at construction. Where that is gone DDP broadcasts as it always did."""
+    ignored = getattr(ddp, "parameters_to_ignore", None)
+    assign = getattr(ddp, "_assign_modules_buffers", None)
+    if not isinstance(ignored, set) or assign is None or names <= ignored:
+        return False
+    ignored.update(names)
+    assign()
+    return True
 
 
 def at_end_of_backward(callback) -> None:

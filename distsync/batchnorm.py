@@ -18,7 +18,7 @@ from distsync._syncbn import compiled as _compiled
 from distsync._syncbn import fx as _fx
 from distsync._syncbn.identity import SyncState
 from distsync._syncbn.transport import Reducer, process_group_reducer
-from distsync._syncbn.unwrapped import warn_if_unwrapped
+from distsync._syncbn.unwrapped import meet_callers
 from distsync.functional import SyncBatchNormFunction
 from distsync.groups import GroupSpec, as_process_group
 
@@ -379,7 +379,7 @@ def _apply_sync(
     state = layer._sync_state
     if state.identity is None:
         state.resolve(layer, layer.num_features)
-        warn_if_unwrapped(layer, reducer.world_size)
+        meet_callers(layer, reducer.world_size)
     return SyncBatchNormFunction.apply(
         input,
         weight,
