@@ -9,11 +9,13 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import handle_torch_function, has_torch_function
 
 from distsync import _torch_compat
+from distsync._syncbn import checkpointing as _checkpointing
 from distsync._syncbn import compiled as _compiled
 from distsync._syncbn import fx as _fx
 from distsync._syncbn.identity import SyncState
@@ -253,17 +255,26 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
     def forward(self, input: Tensor) -> Tensor:
         if _fx.is_proxy(input):  # symbolically traced: one call_module node, like nn.BatchNorm's
             return _fx.leaf_call(self, input)
-        if self.training:
-            update = self.track_running_stats and self._updates_running_stats
-            buffers = (self.running_mean, self.running_var, self.num_batches_tracked)
-            if not update:
-                buffers = (None, None, None)
-            output = self._sync_batch_norm(
-                input, self.weight, self.bias, *buffers, self.momentum, self.eps, check_dim=True
-            )
-            if output is not None:
-                return output
+        if self.training:  # distsync's own ops: selective activation checkpointing sees none of them
+            return _checkpointing.outside_selective(self._training_forward, input)
         return _BatchNorm.forward(self, input)  # not super(): after DistSyncSyncBatchNorm's is SyncBatchNorm
+
+    def _training_forward(self, input: Tensor) -> Tensor:
+        update = self.track_running_stats and self._updates_running_stats
+        buffers = (self.running_mean, self.running_var, self.num_batches_tracked)
+        if not update:
+            buffers = (None, None, None)
+        output = self._sync_batch_norm(
+            input, self.weight, self.bias, *buffers, self.momentum, self.eps, check_dim=True
+        )
+        if output is not None:
+            return output
+        if _checkpointing.replaying():  # nobody to sync with: the same batch norm, the statistics moved once
+            running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
+            momentum = 0.0 if self.momentum is None else self.momentum  # the output does not depend on it
+            copies = _checkpointing.copies(running)
+            return F.batch_norm(input, *copies, self.weight, self.bias, True, momentum, self.eps)
+        return _BatchNorm.forward(self, input)
 
     def _sync_batch_norm(
         self,

@@ -79,6 +79,35 @@ def test_checkpoint_regions_are_found_from_the_frames_of_both_checkpoint_modes(r
     assert _checkpointing.regions() is _checkpointing.OUTSIDE
 
 
+def test_selective_checkpointing_modes_can_be_taken_off_the_dispatch_stack():
+    """torch.utils.checkpoint's two selective-checkpointing modes, and the mode stack functions that take
+    them off (and put them back) around a synchronized call's own ops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    assert len(_checkpointing._SELECTIVE) == 2
+    assert {mode.__name__ for mode in _checkpointing._SELECTIVE} == {
+        "_CachingTorchDispatchMode",
+        "_CachedTorchDispatchMode",
+    }
+    assert not _torch_compat.dispatch_modes_active()
+    with Seen() as below, Seen() as hidden, Seen() as above:
+        assert _torch_compat.dispatch_modes_active()
+        with _torch_compat.without_dispatch_modes(lambda mode: mode is hidden):
+            torch.ones(2).sin()
+        torch.ones(2).cos()
+    assert torch.ops.aten.sin.default in below.ops and torch.ops.aten.sin.default in above.ops
+    assert torch.ops.aten.sin.default not in hidden.ops and torch.ops.aten.cos.default in hidden.ops
+
+
 def test_module_call_frames_are_torchs_call_impl():
     """identity.calling_modules reads the ``self`` of these two functions' frames only."""
     from distsync._syncbn import identity
