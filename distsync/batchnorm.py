@@ -40,6 +40,9 @@ _TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 # Called after every training call of a synchronized layer with its input and synchronized output (None where
 # it normalized locally): the recorders of precise BN and of Join.
 _call_observers: list[Callable[[DistSyncBatchNorm, Tensor, Tensor | None], None]] = []
+# Called before a synchronized call of a layer that is in no Join while one is on in this process: the
+# Join's check (distsync.join), which raises for a layer a rank that joined could not take part with.
+_outside_join: list[Callable[[DistSyncBatchNorm], None]] = []
 
 
 @functools.cache
@@ -250,7 +253,11 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
         inside_join = self._sync_state.join
         if inside_join is not None and inside_join.world_size > 1:
             return inside_join  # DDP's Join: the join's group, calls announced to the ranks that joined
-        return process_group_reducer(self.process_group)
+        reducer = process_group_reducer(self.process_group)
+        if reducer is not None:
+            for check in _outside_join:
+                check(self)
+        return reducer
 
     def forward(self, input: Tensor) -> Tensor:
         if _fx.is_proxy(input):  # symbolically traced: one call_module node, like nn.BatchNorm's

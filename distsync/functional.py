@@ -136,7 +136,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         if checkpointed.replaying is not None:
             stats = checkpointed.replay(state, input)
         else:
-            call = Call(FORWARD, state, num_features, input.dtype, momentum, eps, running_mean is not None,
+            call = Call(FORWARD, state, num_features, input.dtype, momentum, eps, running_mean, running_var,
                         num_batches_tracked is not None)  # fmt: skip
             reduced = _reduce(input, local, count, call, reducer, problem, kernels)
             stats = reduced.stats
@@ -281,18 +281,15 @@ def _shift_costs_accuracy(
 
 def shadow_forward(layer, call: Call, reducer: Reducer, device: torch.device) -> None:
     """Take part in another rank's forward ``call`` of ``layer`` with no samples (a rank that joined under
-    DDP's ``Join``): contribute an empty payload and move this layer's running statistics as the others
-    move theirs, from the reduced values. No user code runs."""
-    running = (layer.running_mean, layer.running_var) if call.running else (None, None)
-    counted = layer.num_batches_tracked if call.running else None
-    if counted is not None and not call.counts:  # the caller counted the batch itself (a subclass)
-        counted.add_(1)
-        counted = None
+    DDP's ``Join``): contribute an empty payload and move the running statistics the call names (this
+    rank's own buffers of the layer) as the others move theirs, from the reduced values, counting the batch
+    where the call does. No user code runs."""
+    counted = layer.num_batches_tracked if call.counts else None
     empty = torch.empty((0, call.channels), dtype=call.dtype, device=device)
     with torch.no_grad():
         SyncBatchNormFunction.apply(
-            empty, None, None, *running, counted, call.momentum, call.eps, False, call.channels, reducer,
-            call.state, None,
+            empty, None, None, call.running_mean, call.running_var, counted, call.momentum, call.eps, False,
+            call.channels, reducer, call.state, None,
         )  # fmt: skip
 
 
