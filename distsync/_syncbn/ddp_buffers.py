@@ -9,10 +9,10 @@ timeout instead of raising ``SyncMismatchError``; and with groups smaller than D
 rank 0's statistics. So the ``running_mean``, ``running_var`` and ``num_batches_tracked`` of every layer that
 syncs leave the broadcast of a DDP model calling it, from a layer's first synchronized call if a DDP model
 is calling it then (a layer resolves its identity once: a model called before it is wrapped is not seen),
-or from ``Join``, for the model given to :func:`distsync.joinable`. Nothing global is registered: the DDP object
-found calling the layer is told, by name, as torch's own ``_ddp_params_and_buffers_to_ignore`` would have
-told it at construction. Every other buffer is broadcast as before, and so is everything at construction,
-where DDP gives every rank rank 0's model (a checkpoint loaded on rank 0 only).
+or from ``Join``, for the model given to :func:`distsync.joinable`. Nothing global is registered: the DDP
+object found calling the layer is told, by name, as torch's own ``_ddp_params_and_buffers_to_ignore`` would
+have told it at construction. Every other buffer is broadcast as before, and so is everything at
+construction, where DDP gives every rank rank 0's model (a checkpoint loaded on rank 0 only).
 """
 
 from __future__ import annotations
