@@ -9,8 +9,9 @@ user's run taking the fallback unnoticed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,12 +22,15 @@ __all__ = [
     "at_end_of_backward",
     "ddp_ignored",
     "disable_dynamo",
+    "dispatch_modes_active",
     "give_ddp_join_count",
     "graph_task_id",
+    "leave_out_of_ddp_buffer_sync",
     "mark_constant_for_dynamo",
     "process_group_timeout",
     "set_ddp_ignored",
     "traceable_all_reduce",
+    "without_dispatch_modes",
 ]
 
 
@@ -65,6 +69,50 @@ def graph_task_id() -> int:
     return -1 if current is None else current()
 
 
+def dispatch_modes_active() -> bool:
+    """Whether any ``TorchDispatchMode`` may be active on this thread (``torch._C._len_torch_dispatch_stack``,
+    2.0 to 2.14 at least; where it is gone, True: :func:`without_dispatch_modes` then looks)."""
+    count = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return True if count is None else count() > 0
+
+
+@contextlib.contextmanager
+def without_dispatch_modes(selected: Callable[[Any], bool]) -> Iterator[None]:
+    """Run the block with the dispatch modes ``selected`` picks taken off this thread's stack, the others
+    kept in their order, and the stack as it was afterwards: ``torch.utils._python_dispatch``'s
+    ``_get_current_dispatch_mode_stack``, ``_pop_mode`` and ``_push_mode`` (2.0 to 2.14 at least; what
+    ``TorchDispatchMode.__enter__``/``__exit__`` do). Where they are gone, or a mode above a picked one is
+    one of torch's tracing modes (which live apart from the stack), the stack is left alone."""
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+    except ImportError:
+        yield
+        return
+    stack = _get_current_dispatch_mode_stack()
+    lowest = next((i for i, mode in enumerate(stack) if selected(mode)), None)
+    if lowest is None or any(_keyed(mode) for mode in stack[lowest:]):
+        yield
+        return
+    above = [_pop_mode() for _ in range(len(stack) - lowest)]  # the top first
+    kept = [mode for mode in reversed(above) if not selected(mode)]
+    for mode in kept:
+        _push_mode(mode)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            _pop_mode()
+        for mode in reversed(above):
+            _push_mode(mode)
+
+
+def _keyed(mode: Any) -> bool:
+    """A mode kept apart from the plain stack (fake, proxy, functional, pre-dispatch: torch's tracing)."""
+    return any(mode.__dict__.get(key) is not None for key in ("_mode_key", "_dispatch_key")) or any(
+        getattr(type(mode), key, None) is not None for key in ("_mode_key", "_dispatch_key")
+    )
+
+
 def process_group_timeout(group: dist.ProcessGroup | None) -> float | None:
     """How long a collective of ``group`` may wait for a peer, in seconds, or None where torch does not
     say (then distsync's own waits use their defaults). Read from the group's backend options, which torch
@@ -97,6 +145,24 @@ def set_ddp_ignored(model: torch.nn.Module, names: list[str]) -> None:
     gradient all-reduce): ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``, torch's
     own (private) way, which Lightning's and other strategies honour because DDP reads it at construction."""
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+
+
+def leave_out_of_ddp_buffer_sync(ddp: DistributedDataParallel, names: set[str]) -> bool:
+    """Make a DDP model leave these buffers (names from ``ddp.module``) out of its buffer broadcast before
+    each forward and at the end of ``Join``, from its next forward on; its other buffers are broadcast as
+    before. Returns whether DDP's buffer list changed.
+
+    DDP keeps the names it leaves alone in ``parameters_to_ignore`` (a set read at construction from the
+    module's ``_ddp_params_and_buffers_to_ignore``) and rebuilds its buffer list from it with
+    ``_assign_modules_buffers`` (2.0 to 2.14 at least); a buffer name never matches a parameter's, whose
+    gradient reduction was fixed at construction. Where that is gone DDP broadcasts as it always did."""
+    ignored = getattr(ddp, "parameters_to_ignore", None)
+    assign = getattr(ddp, "_assign_modules_buffers", None)
+    if not isinstance(ignored, set) or assign is None or names <= ignored:
+        return False
+    ignored.update(names)
+    assign()
+    return True
 
 
 def at_end_of_backward(callback) -> None:

@@ -9,16 +9,18 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.overrides import handle_torch_function, has_torch_function
 
 from distsync import _torch_compat
+from distsync._syncbn import checkpointing as _checkpointing
 from distsync._syncbn import compiled as _compiled
 from distsync._syncbn import fx as _fx
 from distsync._syncbn.identity import SyncState
 from distsync._syncbn.transport import Reducer, process_group_reducer
-from distsync._syncbn.unwrapped import warn_if_unwrapped
+from distsync._syncbn.unwrapped import meet_callers
 from distsync.functional import SyncBatchNormFunction, SyncCall
 from distsync.groups import GroupSpec, as_process_group
 
@@ -38,6 +40,9 @@ _TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 # Called after every training call of a synchronized layer with its input and synchronized output (None where
 # it normalized locally): the recorders of precise BN and of Join.
 _call_observers: list[Callable[[DistSyncBatchNorm, Tensor, Tensor | None], None]] = []
+# Called before a synchronized call of a layer that is in no Join while one is on in this process: the
+# Join's check (distsync.join), which raises for a layer a rank that joined could not take part with.
+_outside_join: list[Callable[[DistSyncBatchNorm], None]] = []
 
 
 @functools.cache
@@ -266,22 +271,35 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
         cached = state.transport
         if cached is None or cached[0] is not group:
             cached = state.transport = (group, process_group_reducer(self.process_group))
-        return cached[1]
+        reducer = cached[1]
+        if reducer is not None:
+            for check in _outside_join:
+                check(self)
+        return reducer
 
     def forward(self, input: Tensor) -> Tensor:
         if _fx.is_proxy(input):  # symbolically traced: one call_module node, like nn.BatchNorm's
             return _fx.leaf_call(self, input)
-        if self.training:
-            update = self.track_running_stats and self._updates_running_stats
-            buffers = (self.running_mean, self.running_var, self.num_batches_tracked)
-            if not update:
-                buffers = (None, None, None)
-            output = self._sync_batch_norm(
-                input, self.weight, self.bias, *buffers, self.momentum, self.eps, check_dim=True
-            )
-            if output is not None:
-                return output
+        if self.training:  # distsync's own ops: selective activation checkpointing sees none of them
+            return _checkpointing.outside_selective(self._training_forward, input)
         return _BatchNorm.forward(self, input)  # not super(): after DistSyncSyncBatchNorm's is SyncBatchNorm
+
+    def _training_forward(self, input: Tensor) -> Tensor:
+        update = self.track_running_stats and self._updates_running_stats
+        buffers = (self.running_mean, self.running_var, self.num_batches_tracked)
+        if not update:
+            buffers = (None, None, None)
+        output = self._sync_batch_norm(
+            input, self.weight, self.bias, *buffers, self.momentum, self.eps, check_dim=True
+        )
+        if output is not None:
+            return output
+        if _checkpointing.replaying():  # nobody to sync with: the same batch norm, the statistics moved once
+            running = (self.running_mean, self.running_var) if self.track_running_stats else (None, None)
+            momentum = 0.0 if self.momentum is None else self.momentum  # the output does not depend on it
+            copies = _checkpointing.copies(running)
+            return F.batch_norm(input, *copies, self.weight, self.bias, True, momentum, self.eps)
+        return _BatchNorm.forward(self, input)
 
     def _sync_batch_norm(
         self,
@@ -397,7 +415,7 @@ def _apply_sync(
     state = layer._sync_state
     if state.identity is None:
         state.resolve(layer, layer.num_features)
-        warn_if_unwrapped(layer, reducer.world_size)
+        meet_callers(layer, reducer.world_size)
     call = SyncCall(
         running_mean, running_var, num_batches_tracked, momentum, eps, layer.eps_mode == "clamp", channels,
         reducer, state, problem,

@@ -278,8 +278,8 @@ def _device_reduce(
     shift = state.shift if keeps_shift else None
     payload = _pack(local, shift, count, row, channels, problem)
     reducer.announce(
-        Call(FORWARD, state, channels, input.dtype, call.momentum, eps, call.running_mean is not None,
-             call.num_batches_tracked is not None)
+        Call(FORWARD, state, channels, input.dtype, call.momentum, eps, call.running_mean,
+             call.running_var, call.num_batches_tracked is not None)
     )  # fmt: skip
     _all_reduce(reducer, payload, tag)
     _check(payload, tag, reducer, problem, True, kernels)
@@ -381,18 +381,16 @@ def _base(shift: Tensor | None, local) -> Tensor | None:
 
 def shadow_forward(layer, call: Call, reducer: Reducer, device: torch.device) -> None:
     """Take part in another rank's forward ``call`` of ``layer`` with no samples (a rank that joined under
-    DDP's ``Join``): contribute an empty payload and move this layer's running statistics as the others
-    move theirs, from the reduced values. No user code runs."""
-    running = (layer.running_mean, layer.running_var) if call.running else (None, None)
-    counted = layer.num_batches_tracked if call.running else None
-    if counted is not None and not call.counts:  # the caller counted the batch itself (a subclass)
-        counted.add_(1)
-        counted = None
+    DDP's ``Join``): contribute an empty payload and move the running statistics the call names (this
+    rank's own buffers of the layer) as the others move theirs, from the reduced values, counting the batch
+    where the call does. No user code runs."""
+    counted = layer.num_batches_tracked if call.counts else None
     empty = torch.empty((0, call.channels), dtype=call.dtype, device=device)
     with torch.no_grad():
         sync = SyncCall(
-            *running, counted, call.momentum, call.eps, False, call.channels, reducer, call.state, None
-        )
+            call.running_mean, call.running_var, counted, call.momentum, call.eps, False, call.channels,
+            reducer, call.state, None,
+        )  # fmt: skip
         SyncBatchNormFunction.apply(empty, None, None, sync)
 
 

@@ -24,11 +24,17 @@ never interleaves with DDP's collectives, which a joined rank shadows on another
   calls until the end of the step, next to DDP's join hook (on a thread of its own).
 
 Without a joined rank the collectives of a step are those of training outside ``Join``. Announcements are
-all-reduced with MAX (the joined ranks send -inf), so floats arrive exactly as sent.
+all-reduced with MAX (the joined ranks send -inf), so floats arrive exactly as sent. A call names its layer
+by its place among the joinable's layers (and its identity, checked), so separately converted models with
+the same paths are told apart, and the running statistics it moves by their place among the layer's
+buffers, so a subclass normalizing with buffers of its own (a second set of statistics) is followed
+exactly; what a converted subclass's forward counts itself (``num_batches_tracked``, counters of its own)
+is announced before its next call and at the end of the step, by how much each counter moved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import weakref
@@ -40,19 +46,26 @@ from torch import Tensor, nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel import DistributedDataParallel
 
-from distsync import _torch_compat
-from distsync._syncbn.identity import BACKWARD, FORWARD, stamp_paths
+from distsync import _torch_compat, batchnorm
+from distsync._syncbn.ddp_buffers import leave_out_of_broadcast
+from distsync._syncbn.identity import BACKWARD, FORWARD, calling_modules, stamp_paths
+from distsync._syncbn.subclass import original_class
 from distsync._syncbn.transport import Call, ProcessGroupReducer
 from distsync.batchnorm import DistSyncBatchNorm
-from distsync.errors import SyncMismatchError
+from distsync.errors import SyncError, SyncMismatchError
 from distsync.functional import shadow_backward, shadow_forward
 
 __all__ = ["joinable"]
 
-# Announcement: [kind, layer id (4 x 16 bits), channels, dtype, has momentum, momentum, eps, running, counts]
-_END = 3.0
+# Announcement: [kind, layer id (4 x 16 bits), layer's place, then by kind:
+#   FORWARD, BACKWARD: channels, dtype, has momentum, momentum, eps, running_mean's and running_var's
+#     places among the layer's buffers (-1: none), counts num_batches_tracked
+#   _COUNTED: a counter's place among the layer's buffers, by how much the layer's forward moved it
+#   _REFUSED: why the ranks still training raise (_OUTSIDE, _NOT_BUFFERS)]
+_END, _COUNTED, _REFUSED = 3.0, 4.0, 5.0
+_OUTSIDE, _NOT_BUFFERS = 1.0, 2.0
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_FIELDS = 12
+_FIELDS = 14
 
 # The joinable armed for each model (by id): a new Join on the same model disarms the one before.
 _armed: dict[int, weakref.ref] = {}
@@ -74,17 +87,27 @@ def _join_group() -> dist.ProcessGroup:
 
 
 class _SyncedLayersJoinable(Joinable):
-    """The synchronized layers of one model, as a ``Joinable`` (see :func:`joinable`)."""
+    """The synchronized layers of a model (and of the modules given with it), as a ``Joinable`` (see
+    :func:`joinable`)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, others: tuple[nn.Module, ...] = ()) -> None:
         super().__init__()
         self._model = model
-        self._layers = [m for m in model.modules() if isinstance(m, DistSyncBatchNorm)]
+        self._others = others
+        self._layers: list[DistSyncBatchNorm] = []
+        seen: set[int] = set()
+        for module in (model, *others):
+            for layer in module.modules():
+                if isinstance(layer, DistSyncBatchNorm) and id(layer) not in seen:
+                    seen.add(id(layer))
+                    self._layers.append(layer)
+            if module is model:
+                self._model_layers = len(self._layers)  # the others' layers come after
         groups = {id(layer.process_group): layer.process_group for layer in self._layers}
         if len(groups) > 1:
             raise ValueError(
-                "distsync.joinable: the synchronized layers of one model must share one process group under "
-                f"Join; this model's use {len(groups)}"
+                "distsync.joinable: the synchronized layers of one joinable must share one process group "
+                f"under Join; these use {len(groups)}"
             )
         group = next(iter(groups.values()), None)
         if group is None or group is dist.group.WORLD:  # apart from DDP's collectives, made on every rank
@@ -95,6 +118,10 @@ class _SyncedLayersJoinable(Joinable):
         self._handoff: _ShadowHook | None = None
         self._end_due = False  # this rank announced calls of the current step: it owes the others its end
         self._end_queued = False
+        self._stepping = False  # from the model's forward to the end of the step
+        self._places: dict[int, int] = {}  # id(layer's SyncState) -> the layer's place in self._layers
+        # Converted subclasses count in their own forward: their counters as last announced, by place
+        self._counted: dict[int, list[tuple[int, Tensor, int]]] = {}
         self.announcing = False  # a rank of the layers' group has joined: announce every call
 
     @property
@@ -123,13 +150,14 @@ class _SyncedLayersJoinable(Joinable):
         _armed[id(self._model)] = weakref.ref(self)
         if self._hooks:
             return
-        stamp_paths(self._model, only_missing=True)
+        for module in (self._model, *self._others):
+            stamp_paths(module, only_missing=True)
         for layer in self._layers:
             state = layer._sync_state
             if state.identity is None:
                 state.resolve(layer, layer.num_features)
             state.join = self._reducer
-        self._by_identity = {layer._sync_state.identity: layer for layer in reversed(self._layers)}
+        self._places = {id(layer._sync_state): place for place, layer in enumerate(self._layers)}
 
         def new_step(module, args):
             self._new_step(module, args)
@@ -141,13 +169,17 @@ class _SyncedLayersJoinable(Joinable):
             self._model.register_forward_pre_hook(_torch_compat.disable_dynamo(new_step)),
             self._model.register_forward_hook(_torch_compat.disable_dynamo(forward_done)),
         ]
+        batchnorm._outside_join.append(self._refuse_outside)
         if isinstance(self._model, DistributedDataParallel):
+            leave_out_of_broadcast(self._model)  # on every rank, a rank that joined at once included
             self._ddp_own_join_hook = self._model.join_hook
             self._model.join_hook = self._ddp_join_hook  # this instance only, until disarmed
 
     def _disarm(self) -> None:
         for handle in self._hooks:
             handle.remove()
+        if self._hooks:
+            batchnorm._outside_join.remove(self._refuse_outside)
         self._hooks = []
         for layer in self._layers:
             if layer._sync_state.join is self._reducer:
@@ -155,7 +187,8 @@ class _SyncedLayersJoinable(Joinable):
         if self._ddp_own_join_hook is not None:
             del self._model.join_hook  # DDP's own method again
             self._ddp_own_join_hook = None
-        self.announcing = self._end_due = False
+        self.announcing = self._end_due = self._stepping = False
+        self._counted.clear()
         if _armed.get(id(self._model)) is not None and _armed[id(self._model)]() is self:
             del _armed[id(self._model)]
 
@@ -185,6 +218,7 @@ class _SyncedLayersJoinable(Joinable):
                 "Join([distsync.joinable(ddp_model), ddp_model])"
             )
         self.end_step()  # a step without a backward pass: its end was not said yet
+        self._stepping = True
         work = Join.notify_join_context(self)  # the first joinable's "not joined yet" all-reduce
         if work is None:
             return
@@ -195,11 +229,14 @@ class _SyncedLayersJoinable(Joinable):
         if training < dist.get_world_size(self.join_process_group):  # some rank joined: a roll call
             present = self._reducer.roll_call(1.0)
             self.announcing = present < self._reducer.world_size
+        self._counted = {  # what the subclasses' own forwards count from here on is announced
+            place: [(i, b, int(b)) for i, b in enumerate(layer.buffers()) if _counter(b)]
+            for place, layer in enumerate(self._layers)
+            if self.announcing and original_class(type(layer)) is not None
+        }
 
     def _forward_done(self, module, args, output) -> None:
-        if not self.announcing:
-            return
-        self._end_due = True
+        self._end_due = self.announcing
         needing = [t for t in _tensors(output) if t.requires_grad]
         if not needing:
             self.end_step()
@@ -209,15 +246,74 @@ class _SyncedLayersJoinable(Joinable):
             tensor.register_hook(self._queue_end)
 
     def _queue_end(self, grad: Tensor) -> None:
-        if self._end_due and not self._end_queued:
+        if self._stepping and not self._end_queued:
             self._end_queued = True
             _torch_compat.at_end_of_backward(self.end_step)
 
     def end_step(self) -> None:
-        """Tell the joined ranks this step's calls are over (once per step that announced)."""
+        """The step is over: tell the joined ranks its calls are (once per step that announced)."""
+        self._stepping = False
         if self._end_due:
             self._end_due = False
+            for place in self._counted:
+                self.announce_counted(place)
             self._reducer.announce_end()
+
+    def check_in_step(self, state) -> None:
+        """Before a call of a layer of the other modules: it must come in a step (after the model's forward,
+        before the end of its backward), where the ranks that joined listen. Raised on every rank still
+        training (all of them make the call), whether or not a rank has joined yet."""
+        place = self._places.get(id(state), 0)
+        if place >= self._model_layers and not self._stepping:
+            raise ValueError(
+                f"distsync.joinable: {self._layers[place]._layer_name()}, of a module given to "
+                "distsync.joinable besides the model, is called outside a step; call it after the model's "
+                "forward (in the loss), before the end of its backward"
+            )
+
+    def before_call(self, state) -> tuple[int, DistSyncBatchNorm]:
+        """Before an announced call of the layer whose sync state is ``state``: its place among this
+        joinable's layers and the layer, once what its forward counted so far is announced."""
+        place = self._places[id(state)]
+        self.announce_counted(place)
+        return place, self._layers[place]
+
+    def announce_counted(self, place: int) -> None:
+        """Say how far the counters of the converted subclass at ``place`` moved since last said (its own
+        forward counts ``num_batches_tracked``, or not, and counters of its own): before each of its calls
+        and at the end of the step, so the joined ranks' counters follow whatever the forward does."""
+        counted = self._counted.get(place)
+        if not counted:
+            return
+        layer = self._layers[place]
+        for k, (index, buffer, value) in enumerate(counted):
+            now = int(buffer)
+            if now != value:
+                self._reducer.announce_counted(layer, place, index, now - value)
+                counted[k] = (index, buffer, now)
+
+    def _refuse_outside(self, layer: DistSyncBatchNorm) -> None:
+        """Before a synchronized call of ``layer``, in none of the armed joinables: raise during a step (a
+        rank that joined could not take part), on every rank still training and, announced, the others."""
+        if not self._stepping:
+            return
+        state = layer._sync_state
+        if state.identity is None:
+            state.resolve(layer, layer.num_features)
+        callers = calling_modules()  # outermost first
+        holder = next((m for m in callers if m is not layer and any(x is layer for x in m.modules())), None)
+        holding = (
+            "the module that holds it" if holder is None else f"the {type(holder).__name__} that holds it"
+        )
+        message = (
+            f"distsync.joinable: the synchronized layer {layer._layer_name()} is called in a step under Join "
+            "but is not in the modules given to distsync.joinable, so a rank that joined could not take part "
+            f"in its calls. Pass {holding} too, on every rank: Join([distsync.joinable(ddp_model, "
+            "criterion), ddp_model])"
+        )
+        if self.announcing:
+            self._reducer.announce_refusal(_OUTSIDE)
+        raise ValueError(message)
 
     # ------------------------------------------------------------------------- a joined rank
 
@@ -230,28 +326,41 @@ class _SyncedLayersJoinable(Joinable):
             kind, fields = self._reducer.receive()
             if kind == _END:
                 return
-            call = self._decode(kind, fields)
-            if call.direction == FORWARD:
-                shadow_forward(self._by_identity[self._identity(fields)], call, self._reducer.plain, device)
+            if kind == _REFUSED:
+                raise SyncError(_refusal(fields[6]))
+            layer = self._layer(kind, fields)
+            if kind == _COUNTED:
+                with torch.no_grad():
+                    list(layer.buffers())[int(fields[6])].add_(int(fields[7]))
+            elif kind == FORWARD:
+                shadow_forward(layer, self._decode(layer, kind, fields), self._reducer.plain, device)
             else:
-                shadow_backward(call, self._reducer.plain, device)
+                shadow_backward(self._decode(layer, kind, fields), self._reducer.plain, device)
 
-    def _identity(self, fields: list[float]) -> int:
-        return sum(int(fields[1 + i]) << (16 * i) for i in range(4))
-
-    def _decode(self, kind: float, fields: list[float]) -> Call:
-        identity = self._identity(fields)
-        layer = self._by_identity.get(identity)
-        if layer is None or kind not in (FORWARD, BACKWARD):
+    def _layer(self, kind: float, fields: list[float]) -> DistSyncBatchNorm:
+        """The layer an announcement names, checked against this rank's (same place, same identity)."""
+        identity = sum(int(fields[1 + i]) << (16 * i) for i in range(4))
+        place = int(fields[5])
+        layer = self._layers[place] if 0 <= place < len(self._layers) else None
+        if (
+            layer is None
+            or layer._sync_state.identity != identity
+            or kind not in (FORWARD, BACKWARD, _COUNTED)
+        ):
             raise SyncMismatchError(
                 "this rank has joined (it ran out of batches) and takes part in the others' synchronized "
-                f"calls, but they announced a call it cannot make: layer id {identity:#x} is not a "
-                "synchronized layer of the model given to distsync.joinable on this rank"
+                f"calls, but they announced a call it cannot make: layer id {identity:#x} is not "
+                f"synchronized layer #{place} of the modules given to distsync.joinable on this rank"
             )
-        momentum = fields[8] if fields[7] else None
+        return layer
+
+    def _decode(self, layer: DistSyncBatchNorm, kind: float, fields: list[float]) -> Call:
+        momentum = fields[9] if fields[8] else None
+        buffers = list(layer.buffers())
+        mean, var = (buffers[int(i)] if i >= 0 else None for i in (fields[11], fields[12]))
         return Call(
-            int(kind), layer._sync_state, int(fields[5]), _DTYPES[int(fields[6])], momentum, fields[9],
-            bool(fields[10]), bool(fields[11]),
+            int(kind), layer._sync_state, int(fields[6]), _DTYPES[int(fields[7])], momentum, fields[10], mean,
+            var, bool(fields[13]),
         )  # fmt: skip
 
 
@@ -266,26 +375,41 @@ class _AnnouncingReducer(ProcessGroupReducer):
 
     def announce(self, call: Call) -> None:
         joinable = self._joinable()
-        if joinable is None or not joinable.announcing:
+        if joinable is None:
             return
-        identity = call.state.identity or 0
+        joinable.check_in_step(call.state)
+        if not joinable.announcing:
+            return
+        place, layer = joinable.before_call(call.state)
+        running = [_place_among_buffers(layer, buffer) for buffer in (call.running_mean, call.running_var)]
+        if None in running:  # every rank still training makes this call: all of them get here
+            self.announce_refusal(_NOT_BUFFERS)
+            raise ValueError(_refusal(_NOT_BUFFERS, layer._layer_name()))
         fields = [
             float(call.direction),
-            *(float((identity >> (16 * i)) & 0xFFFF) for i in range(4)),
+            *_layer_fields(call.state.identity, place),
             float(call.channels),
             float(_DTYPES.index(call.dtype)) if call.dtype in _DTYPES else 2.0,
             1.0 if call.momentum is not None else 0.0,
             float(call.momentum or 0.0),
             float(call.eps),
-            float(call.running),
+            *map(float, running),
             float(call.counts),
         ]
         self._send(fields)
 
+    def announce_counted(self, layer: DistSyncBatchNorm, place: int, index: int, moved: int) -> None:
+        """A converted subclass's forward moved its counter (buffer) ``index`` by ``moved``."""
+        self._send([_COUNTED, *_layer_fields(layer._sync_state.identity, place), float(index), float(moved)])
+
+    def announce_refusal(self, reason: float) -> None:
+        self._send([_REFUSED, 0.0, 0.0, 0.0, 0.0, 0.0, reason])
+
     def announce_end(self) -> None:
-        self._send([_END] + [0.0] * (_FIELDS - 1))
+        self._send([_END])
 
     def _send(self, fields: list[float]) -> None:
+        fields = fields + [0.0] * (_FIELDS - len(fields))
         dist.all_reduce(torch.tensor(fields, dtype=torch.float64, device=_device(self.process_group)),
                         op=dist.ReduceOp.MAX, group=self.process_group)  # fmt: skip
 
@@ -301,6 +425,35 @@ class _AnnouncingReducer(ProcessGroupReducer):
         count = torch.tensor([present], dtype=torch.float64, device=_device(self.process_group))
         dist.all_reduce(count, group=self.process_group)
         return int(count.item())
+
+
+def _layer_fields(identity: int | None, place: int) -> list[float]:
+    identity = identity or 0
+    return [*(float((identity >> (16 * i)) & 0xFFFF) for i in range(4)), float(place)]
+
+
+def _place_among_buffers(layer: nn.Module, buffer: Tensor | None) -> int | None:
+    """Where ``buffer`` is among ``layer.buffers()`` (-1 for no buffer; None if it is none of them)."""
+    if buffer is None:
+        return -1
+    return next((i for i, own in enumerate(layer.buffers()) if own is buffer), None)
+
+
+def _counter(buffer: Tensor) -> bool:
+    """A buffer a subclass may count with: an integer scalar."""
+    return buffer.numel() == 1 and not buffer.is_floating_point() and buffer.dtype != torch.bool
+
+
+def _refusal(reason: float, layer_name: str = "a synchronized layer") -> str:
+    if reason == _OUTSIDE:
+        return (
+            "distsync.joinable: the ranks still training called a synchronized layer that is not in the "
+            "modules given to distsync.joinable (see their error); pass the module that holds it too"
+        )
+    return (
+        f"distsync.joinable: {layer_name} normalized with running statistics that are not buffers of the "
+        "layer, which a rank that joined cannot follow: register them as buffers of the layer"
+    )
 
 
 def _device(group: dist.ProcessGroup) -> torch.device:
@@ -369,22 +522,31 @@ def _wait(shadow: _Worker, ddp: _Worker | None) -> None:
         (shadow.thread if not shadow.done else ddp.thread).join(0.01)
 
 
-def _tensors(value) -> list[Tensor]:
-    """The tensors in a model's output (nested tuples, lists and dicts)."""
+def _tensors(value, seen: set[int] | None = None) -> list[Tensor]:
+    """The tensors in a model's output, found where DDP looks for them: nested lists, tuples, the values of
+    any dict (an ``OrderedDict``, a Hugging Face ``ModelOutput``) and the fields of dataclasses."""
     if isinstance(value, Tensor):
         return [value]
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return []
+    seen.add(id(value))
     if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
+        items = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, field.name) for field in dataclasses.fields(value)]
+    else:
+        return []
+    return [t for item in items for t in _tensors(item, seen)]
 
 
 def _device_of(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
-def joinable(model: nn.Module) -> Joinable:
+def joinable(model: nn.Module, *others: nn.Module) -> Joinable:
     """The synchronized layers of ``model`` as a ``Joinable``, for ranks with uneven numbers of batches.
 
     Pass it to ``Join`` first, then the DDP model, on every rank (make it once, or anew for each ``Join``)::
@@ -405,7 +567,15 @@ def joinable(model: nn.Module) -> Joinable:
     hook itself, next to its own, whenever both are in the same ``Join``: ``ddp_model.join_hook`` then hands
     ``Join`` an inert hook (anywhere else, such as ``ddp_model.join()``, it is DDP's own).
 
+    A synchronized layer the step calls outside ``model`` (in a loss, a projection head called apart) is
+    given after it, by the module that holds it: ``distsync.joinable(ddp_model, criterion)``; it is then
+    shadowed like the model's, if called after the model's forward. One that is not given raises
+    ``ValueError`` at its first call in a step, naming it, on every rank still training (``SyncError`` on
+    the ranks that joined). Separately converted models whose layers have the same paths (two towers) may
+    be in one joinable; their calls are told apart by the layer, not only by its path.
+
     Args:
         model: the DDP-wrapped model (or the model itself), whose forward starts each step
+        others: other modules with synchronized layers the step calls after the model's forward
     """
-    return _SyncedLayersJoinable(model)
+    return _SyncedLayersJoinable(model, others)

@@ -9,6 +9,8 @@ pairwise formula, in float64), so the between-rank variance counts as the betwee
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -62,12 +64,15 @@ def update_bn(
     on every rank. A layer whose input comes from other batch-norm layers sees that input as in training:
     each step's normalization by the statistics of that step's global batch (the paper's "train-mode
     features"). A rank whose loader ran out takes part in the others' steps with an empty batch, which
-    changes no statistic. Parameters, ``momentum``, ``num_batches_tracked``, every module's training flag
-    and the buffers of batch-norm layers that are not synchronized are left as they were. A layer that saw
-    no value keeps its statistics; one that saw a single value per channel keeps its variance.
+    changes no statistic: its last input (or, if it never had a batch, another rank's) in the same form
+    (dict, list, dataclass, other values kept), every tensor in it sliced to no rows along its first
+    dimension. Parameters, ``momentum``, ``num_batches_tracked``, every module's training flag and the
+    buffers of batch-norm layers that are not synchronized are left as they were. A layer that saw no
+    value keeps its statistics; one that saw a single value per channel keeps its variance.
 
     Args:
-        loader: batches, each a tensor or a list/tuple whose first element is the model's input
+        loader: batches, each the model's input (a tensor, a dict, a dataclass, ...) or a list/tuple whose
+            first element is the model's input (``(images, labels)``)
         model: the model (a DDP-wrapped model works too)
         device: where to move each batch. Default: ``None``, as it comes
         num_batches: use at most this many batches of this rank's loader. Default: ``None``, all
@@ -109,7 +114,7 @@ def _run(loader: Iterable[Any], model: nn.Module, device, num_batches: int | Non
     """Call ``model`` on each batch; in a world, step with the other ranks (empty batches once done)."""
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     batches = iter(loader)
-    last: Tensor | None = None
+    last: Any = None
     step = 0
     while True:
         batch, failure = None, None
@@ -123,7 +128,7 @@ def _run(loader: Iterable[Any], model: nn.Module, device, num_batches: int | Non
                 raise
             failure = error
         if distributed:
-            input = _step_input(batch is not None, last, failure)
+            input = _step_input(batch is not None, last, failure, device)
         else:
             input = last if batch is not None else None
         if input is None:
@@ -132,13 +137,13 @@ def _run(loader: Iterable[Any], model: nn.Module, device, num_batches: int | Non
         step += 1
 
 
-def _step_input(has_batch: bool, last: Tensor | None, failure: Exception | None) -> Tensor | None:
-    """This rank's input for a step of the world: its batch, an empty one if others still have batches,
-    or None once every rank is done. Decided from reduced values, so every rank takes the same steps and
-    a rank whose loader failed makes every rank raise."""
+def _step_input(has_batch: bool, last: Any, failure: Exception | None, device) -> Any:
+    """This rank's input for a step of the world: its batch, an empty one of the same form if others still
+    have batches, or None once every rank is done. Decided from reduced values, so every rank takes the
+    same steps and a rank whose loader failed makes every rank raise."""
     nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    flags = torch.tensor([float(has_batch), float(last is None), float(failure is not None)], device=device)
+    here = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    flags = torch.tensor([float(has_batch), float(last is None), float(failure is not None)], device=here)
     dist.all_reduce(flags)
     has_any, needs_template, failed = flags.tolist()
     if failure is not None:
@@ -147,18 +152,50 @@ def _step_input(has_batch: bool, last: Tensor | None, failure: Exception | None)
         raise SyncError(f"update_bn: the loader of {int(failed)} other rank(s) failed; see their error")
     if not has_any:
         return None
-    if needs_template:  # a rank has never had a batch: it needs one's shape and dtype
+    if needs_template:  # a rank has never had a batch: it takes the form of another rank's
         template = [None] * dist.get_world_size()
-        dist.all_gather_object(template, None if last is None else (tuple(last.shape), last.dtype))
+        dist.all_gather_object(
+            template, None if last is None else _map_tensors(last, lambda t: _empty(t).cpu())
+        )
         if last is None:
-            shape, dtype = next(t for t in template if t is not None)
-            last = torch.empty(0, *shape[1:], dtype=dtype, device=device)
-    return last if has_batch else last[:0]
+            form = next(t for t in template if t is not None)
+            last = _map_tensors(form, lambda t: t.to(here if device is None else device))
+    return last if has_batch else _map_tensors(last, _empty)
 
 
-def _input_of(batch: Any, device) -> Tensor:
+def _input_of(batch: Any, device) -> Any:
+    """The model's input in a batch: its first element if it is a list or tuple, else the batch itself
+    (a tensor, a dict, a dataclass, ...), with every tensor in it moved to ``device``."""
     input = batch[0] if isinstance(batch, (list, tuple)) else batch
-    return input if device is None else input.to(device)
+    return input if device is None else _map_tensors(input, lambda t: t.to(device))
+
+
+def _empty(tensor: Tensor) -> Tensor:
+    """No samples of ``tensor`` (a batch along its first dimension; a scalar stays as it is)."""
+    return tensor[:0] if tensor.dim() else tensor
+
+
+def _map_tensors(value: Any, fn) -> Any:
+    """``value`` with ``fn`` applied to every tensor in it: nested lists, tuples (named too), dicts (of any
+    kind) and dataclasses keep their form; anything else is kept as it is."""
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        mapped = copy.copy(value)  # the same kind of dict (an OrderedDict, a ModelOutput, ...)
+        for key, item in value.items():
+            mapped[key] = _map_tensors(item, fn)
+        return mapped
+    if isinstance(value, list):
+        return [_map_tensors(item, fn) for item in value]
+    if isinstance(value, tuple):
+        items = [_map_tensors(item, fn) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        mapped = copy.copy(value)
+        for field in dataclasses.fields(value):
+            object.__setattr__(mapped, field.name, _map_tensors(getattr(value, field.name), fn))
+        return mapped
+    return value
 
 
 def _set_statistics(layer: DistSyncBatchNorm, local: _Moments | None) -> None:

@@ -104,3 +104,40 @@ class ReluNorm2d(nn.BatchNorm2d):
             x, self.running_mean, self.running_var, self.weight, self.bias, training, self.momentum, self.eps
         )
         return F.relu(x)
+
+
+class DualNorm2d(nn.BatchNorm2d):
+    """AdvProp's batch norm: a second set of running statistics, with a counter of its own, for an auxiliary
+    domain (``aux``): its own buffers passed to F.batch_norm."""
+
+    def __init__(self, num_features, **kwargs):
+        super().__init__(num_features, **kwargs)
+        self.register_buffer("aux_mean", torch.zeros(num_features))
+        self.register_buffer("aux_var", torch.ones(num_features))
+        self.register_buffer("aux_batches", torch.zeros((), dtype=torch.long))
+        self.aux = False
+
+    def forward(self, x):
+        if self.aux:
+            mean, var, counted = self.aux_mean, self.aux_var, self.aux_batches
+        else:
+            mean, var, counted = self.running_mean, self.running_var, self.num_batches_tracked
+        if self.training:
+            counted.add_(1)
+        return F.batch_norm(x, mean, var, self.weight, self.bias, self.training, self.momentum, self.eps)
+
+
+class UncountedNorm2d(nn.BatchNorm2d):
+    """F.batch_norm with the layer's statistics and momentum, never counting num_batches_tracked."""
+
+    def forward(self, x):
+        return F.batch_norm(
+            x,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            self.training,
+            self.momentum,
+            self.eps,
+        )

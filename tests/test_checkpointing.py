@@ -1,5 +1,7 @@
 """Activation checkpointing: a recomputed synced layer reuses its call's statistics, bit for bit."""
 
+import functools
+
 import pytest
 import torch
 from bn_subclasses import ActNorm2d
@@ -16,7 +18,7 @@ class _Net(nn.Module):
     """conv, [BN, ReLU, conv, a BN called twice, a converted subclass] checkpointed, conv: the middle is
     recomputed."""
 
-    def __init__(self, use_checkpoint):
+    def __init__(self, use_checkpoint, policy=None):
         super().__init__()
         torch.manual_seed(0)
         self.stem = nn.Conv2d(3, 4, 3)
@@ -26,6 +28,7 @@ class _Net(nn.Module):
         self.act = distsync.convert_sync_batchnorm(ActNorm2d(4, momentum=None))  # a converted subclass
         self.head = nn.Conv2d(4, 2, 1)
         self.use_checkpoint = use_checkpoint
+        self.policy = policy  # selective activation checkpointing's (non-reentrant)
 
     def middle(self, x):
         x = self.shared(self.conv(torch.relu(self.bn(x))))
@@ -33,19 +36,24 @@ class _Net(nn.Module):
 
     def forward(self, x):
         x = self.stem(x)
-        if self.use_checkpoint:
+        if self.policy is not None:
+            contexts = functools.partial(
+                torch.utils.checkpoint.create_selective_checkpoint_contexts, *self.policy
+            )
+            x = checkpoint(self.middle, x, use_reentrant=False, context_fn=contexts)
+        elif self.use_checkpoint:
             x = checkpoint(self.middle, x, use_reentrant=self.use_checkpoint == "reentrant")
         else:
             x = self.middle(x)
         return self.head(x)
 
 
-def _steps(rank, world_size, use_checkpoint, cuda_path=False, steps=3):
+def _steps(rank, world_size, use_checkpoint, cuda_path=False, steps=3, policy=None):
     if cuda_path:  # the CUDA path's code on CPU tensors: the recomputed call found on the "device"
         with cuda_path_on_cpu():
-            return _steps(rank, world_size, use_checkpoint, False, steps)
+            return _steps(rank, world_size, use_checkpoint, False, steps, policy)
     with counted_all_reduces() as calls:
-        model = _Net(use_checkpoint)
+        model = _Net(use_checkpoint, _POLICIES[policy]() if policy else None)
         results = []
         for step in range(steps):
             gen = torch.Generator().manual_seed(10 * step + rank)
@@ -78,6 +86,65 @@ def test_checkpointed_steps_equal_plain_steps_with_no_extra_all_reduce(cuda_path
             # 4 synced calls per step (bn, shared twice, act), one all-reduce forward and one backward each;
             # the CPU may merge a call far from its shift again (a second forward all-reduce), alike in all
             assert calls == want_calls and calls >= 4 * 2 * 3, mode
+
+
+# --- selective activation checkpointing (eager): torch's dispatch modes cache or recompute each op ---------
+
+
+def _policies():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+
+    def fixed(policy):
+        return lambda ctx, op, *args, **kwargs: policy
+
+    def but_in_place(ctx, op, *args, **kwargs):  # torch's cache refuses in-place ops' outputs by default
+        return CheckpointPolicy.PREFER_RECOMPUTE if op._schema.is_mutable else CheckpointPolicy.MUST_SAVE
+
+    def by_name(ctx, op, *args, **kwargs):  # a callable policy answering with a bool (True: save)
+        return "relu" in str(op) or "convolution" in str(op)
+
+    return {
+        "recompute all": lambda: (fixed(CheckpointPolicy.PREFER_RECOMPUTE),),
+        # every op saved; the subclass's own counter updates (num_batches_tracked.add_) are in-place ops,
+        # whose outputs torch's cache takes only so (nn.BatchNorm's own included)
+        "save all": lambda: (fixed(CheckpointPolicy.MUST_SAVE), True),
+        "save all but in-place": lambda: (but_in_place,),
+        "mixed": lambda: ([aten.convolution.default, aten.mul.Tensor],),  # saved, the rest recomputed
+        "callable": lambda: (by_name,),
+    }
+
+
+_POLICIES = _policies() if hasattr(torch.utils.checkpoint, "create_selective_checkpoint_contexts") else {}
+_SAC = pytest.mark.skipif(not _POLICIES, reason="selective activation checkpointing needs torch >= 2.5")
+
+
+def _selective_runs(rank, world_size):
+    """Plain steps and steps under each selective checkpointing policy, in one world (or process)."""
+    return {policy: _steps(rank, world_size, bool(policy), policy=policy) for policy in (None, *_POLICIES)}
+
+
+def _assert_selective_runs_equal_plain(runs):
+    want_results, want_buffers, want_calls = runs[None]
+    for policy in _POLICIES:
+        results, buffers, calls = runs[policy]
+        _assert_same_bits(results, want_results, policy)
+        _assert_same_bits(buffers, want_buffers, policy)  # moved once per step, as without checkpointing
+        assert calls == want_calls, policy
+
+
+@_SAC
+def test_selective_checkpointing_equals_plain_steps_bit_for_bit_on_one_process():
+    """No process group: the layers are batch norm of their own batch, recomputed without moving the
+    running statistics a second time (which nn.BatchNorm does under recomputing policies)."""
+    _assert_selective_runs_equal_plain(_selective_runs(0, 1))
+
+
+@_SAC
+def test_selective_checkpointing_equals_plain_steps_bit_for_bit_on_two_ranks():
+    for runs in run_world(_selective_runs, 2):
+        _assert_selective_runs_equal_plain(runs)
 
 
 # --- cases where matching a recomputed call by its input would pick the wrong call -------------------------
@@ -246,3 +313,39 @@ def test_a_forward_inside_a_custom_backward_is_an_ordinary_synchronized_call():
             torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
         for got, expected in zip(buffers, want_buffers, strict=True):
             torch.testing.assert_close(got.to(expected.dtype), expected, rtol=1e-10, atol=1e-10)
+
+
+def _compiled_selective_runs(rank, world_size):
+    """Compiled steps, plain and under two selective checkpointing policies (the compiler's own recompute)."""
+    runs = {}
+    for policy in (None, "recompute all", "mixed"):
+        torch.manual_seed(0)
+        model = _Net(bool(policy), _POLICIES[policy]() if policy else None)
+        compiled = torch.compile(model, backend="aot_eager")
+        results = []
+        for step in range(2):
+            gen = torch.Generator().manual_seed(10 * step + rank)
+            x = (torch.randn(2 + rank, 3, 6, 6, generator=gen) * 3 + 1).requires_grad_()
+            out = compiled(x)
+            out.square().sum().backward()
+            results.append([out.detach(), x.grad, *(p.grad.clone() for p in model.parameters())])
+            model.zero_grad()
+        runs[policy] = results, [b.clone() for name, b in model.named_buffers() if name != "act.calls"]
+    return runs
+
+
+@_SAC
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile's imports
+def test_compiled_selective_checkpointing_equals_compiled_plain_steps():
+    """Under torch.compile the partitioner recomputes by the policy (distsync logs nothing): equal to the
+    compiled plain step to float32 rounding."""
+    for runs in run_world(_compiled_selective_runs, 2, timeout=600):
+        want_results, want_buffers = runs[None]
+        for policy in ("recompute all", "mixed"):
+            results, buffers = runs[policy]
+            for got, want in zip(results, want_results, strict=True):
+                for a, b in zip(got, want, strict=True):
+                    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=policy)
+            for a, b in zip(buffers, want_buffers, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=policy)

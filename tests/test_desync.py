@@ -1,5 +1,6 @@
 """Errors decided on one rank are raised on every rank; desynchronized ranks raise, never hang."""
 
+import pytest
 import torch
 
 import distsync
@@ -127,3 +128,93 @@ def test_desync_between_layers_of_different_widths_raises_instead_of_aborting():
     """Payloads come in size classes, so out-of-step layers of 4 and 64 channels meet equal sizes."""
     for outcome in run_world(_different_widths, 2, (4, 64), timeout=60):
         assert outcome[0] == "SyncMismatchError" and "layer" in outcome[1], outcome
+
+
+# --- DDP's default buffer broadcast between synchronized calls -------------------------------------------
+
+
+class _Parent(torch.nn.Module):
+    """A parent whose child alone was converted: DDP wraps the parent."""
+
+    def __init__(self, child):
+        super().__init__()
+        self.child = child
+        self.head = torch.nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        return self.head(self.child(x))
+
+
+def _ddp_model(model_form):
+    torch.manual_seed(0)
+    if model_form == "built":  # DistSyncBatchNorm in the model itself, never converted
+        layers = [distsync.DistSyncBatchNorm2d(4), torch.nn.Conv2d(4, 4, 1), distsync.DistSyncBatchNorm2d(4)]
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), *layers)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4), torch.nn.Conv2d(4, 4, 1), torch.nn.BatchNorm2d(4)
+    )
+    if model_form == "parent":
+        return _Parent(distsync.convert_sync_batchnorm(model))
+    return distsync.convert_sync_batchnorm(model)
+
+
+def _wrap(model, ddp_form):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if ddp_form == "migration guide":  # docs/migration.md's snippet on the CPU
+        return DDP(model, device_ids=None)
+    # DDP(model) with its defaults: what Ray Train's prepare_model builds on the CPU
+    return DDP(model)
+
+
+def _extra_call_under_default_ddp(rank, world_size, ddp_form, model_form):
+    import datetime
+
+    torch.distributed.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=20))  # a hang fails fast
+    model = _ddp_model(model_form)
+    ddp = _wrap(model, ddp_form)
+    layers = [m for m in model.modules() if isinstance(m, distsync.DistSyncBatchNorm)]
+
+    def train():
+        for step in range(3):
+            x = torch.randn(2 + rank, 3, 4, 4, generator=torch.Generator().manual_seed(rank + 10 * step))
+            ddp(x).square().sum().backward()
+            if rank == 0 and step == 1:  # after DDP's own once-only collective (its buckets, at step 1)
+                layers[-1](torch.randn(3, 4, 2, 2))  # one synchronized call more than rank 1
+
+    return _outcome(train)
+
+
+@pytest.mark.parametrize(
+    "ddp_form, model_form",
+    [("defaults", "converted"), ("migration guide", "built"), ("defaults", "parent")],
+    ids=["DDP(model)-converted", "migration-snippet-built", "DDP(parent of converted)"],
+)
+def test_an_extra_call_under_default_ddp_raises_on_every_rank(ddp_form, model_form):
+    """DDP's buffer broadcast before each forward (on by default, as in Ray Train's prepare_model) would
+    meet the extra call's all-reduce on the other rank: both would wait for the timeout. The synchronized
+    layers' statistics are left out of it, so the next call tells the ranks apart at once."""
+    outcomes = run_world(_extra_call_under_default_ddp, 2, ddp_form, model_form, timeout=120)
+    for name, message in outcomes:
+        assert name == "SyncMismatchError", message
+
+
+def _broadcast_buffers(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _ddp_model("converted")
+    model.register_buffer("scale", torch.ones(()))  # a buffer of the model's own: DDP broadcasts it
+    ddp = DDP(model)
+    for _ in range(2):
+        ddp(torch.randn(3, 3, 4, 4)).sum().backward()
+        with torch.no_grad():  # what a broadcast would hide: rank-local values, set between steps
+            model.scale.fill_(rank + 1.0)
+            model[1].running_mean.fill_(rank + 1.0)
+    ddp(torch.randn(3, 3, 4, 4))
+    return model.scale.item(), model[1].running_mean[0].item() - 0.9 * (rank + 1.0)  # momentum 0.1
+
+
+def test_default_ddp_broadcasts_other_buffers_but_not_the_synchronized_statistics():
+    (scale0, moved0), (scale1, moved1) = run_world(_broadcast_buffers, 2)
+    assert scale0 == scale1 == 1.0  # rank 0's, broadcast before the last forward
+    assert moved0 == pytest.approx(moved1)  # each rank's own value, moved alike by the synchronized call

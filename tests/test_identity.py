@@ -97,6 +97,17 @@ def test_built_models_are_named_from_the_outermost_module_at_their_first_call():
     assert layer_path(converted.decoder[1]) == "decoder.1"
 
 
+def test_a_layer_called_on_its_own_is_named_from_the_tree_that_holds_it():
+    """``model[2][0](x)`` in a loop: no module holding it is being called; the tree is found among the
+    live modules (a wrapper around the model leaves the model's paths)."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 1), distsync.DistSyncBatchNorm2d(4))
+    model.append(nn.Sequential(distsync.DistSyncBatchNorm2d(4)))
+    wrapped = nn.DataParallel(model)
+    assert layer_path(model[2][0]) == "2.0" and model[1]._sync_state.path == "1"
+    assert wrapped.module is model
+    assert layer_path(distsync.DistSyncBatchNorm2d(4)) == ""  # held by no module
+
+
 def test_importing_distsync_changes_nothing_in_torch():
     import subprocess
     import sys
@@ -258,3 +269,39 @@ def test_identity_across_ranks():
         for scenario in (*swapped, "built, swapped inside forward"):
             assert seen[scenario][0] == "SyncMismatchError", (scenario, seen[scenario])
         assert seen["first batch freed"]
+
+
+def _training_loop(rank, world_size, wrapped):
+    """A training loop that goes on after its first step, around a model built with synchronized layers
+    (named at their first call) with or without DDP (the unwrapped-model warning looks at the callers)."""
+    import gc
+    import warnings
+    import weakref
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _BuiltSynced()
+    forward = DistributedDataParallel(model) if wrapped else model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            batch = torch.randn(3, 4, 2, 2, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+            if step == 0:
+                first = weakref.ref(batch)
+            forward(batch).sum().backward()
+            del batch
+            gc.collect()
+            if step == 0:
+                freed = first() is None  # the loop is still running: nothing of its frame may be kept
+    warned = any("no data-parallel wrapper" in str(w.message) for w in caught)
+    return freed, model.encoder[1]._sync_state.path, model.decoder[1]._sync_state.path, warned
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["unwrapped", "DDP"])
+def test_the_first_call_keeps_nothing_of_the_callers_alive(wrapped):
+    """The first synchronized call names the layers from the modules being called and looks for a
+    data-parallel wrapper; neither keeps the training loop's first batch alive."""
+    for freed, encoder, decoder, warned in run_world(_training_loop, 2, wrapped):
+        assert freed
+        assert (encoder, decoder) == ("encoder.1", "decoder.1")
+        assert warned is not wrapped

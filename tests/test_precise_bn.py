@@ -1,5 +1,7 @@
 """distsync.update_bn: the statistics of all the data every rank saw, exact and identical on every rank."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -98,3 +100,58 @@ def _one_loader_fails(rank, world_size):
 
 def test_a_failing_loader_raises_on_every_rank():
     assert run_world(_one_loader_fails, 2, timeout=120) == ["SyncError", "OSError"]
+
+
+@dataclasses.dataclass
+class _Batch:
+    image: torch.Tensor
+    label: torch.Tensor
+    source: str = "train"
+
+
+class _Taking(nn.Module):
+    """The model of the tests above, called on a batch of another form."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.net, self.form = _model(), form
+
+    def forward(self, batch):
+        if self.form == "dict":
+            image = batch["image"]
+        elif self.form == "dataclass":
+            image = batch.image
+        else:  # a list of inputs: the image and a mask of its shape
+            image = batch[0] * batch[1]
+        return self.net(image)
+
+
+def _in_form(x, form):
+    label = torch.zeros(x.shape[0], dtype=torch.long)
+    if form == "dict":
+        return {"image": x, "label": label, "source": "train"}
+    if form == "dataclass":
+        return _Batch(x, label)
+    if form == "list of inputs":  # the model's input is itself a list
+        return [[x, torch.ones_like(x)], label]
+    return (x, label) if form == "tuple" else [x, label]
+
+
+def _update_in_form(rank, world_size, counts, form):
+    model = distsync.convert_sync_batchnorm(
+        _Taking(form) if form in ("dict", "dataclass", "list of inputs") else _model()
+    )
+    distsync.update_bn([_in_form(x, form) for x in _loader(rank, counts)], model)
+    net = getattr(model, "net", model)
+    return {i: (net[i].running_mean, net[i].running_var) for i in (1, 4)}
+
+
+@pytest.mark.parametrize("form", ["list", "tuple", "dict", "dataclass", "list of inputs"])
+@pytest.mark.parametrize("counts", [[3, 1], [2, 0, 3]], ids=["uneven", "one-empty-loader"])
+def test_update_bn_takes_batches_of_any_form_with_uneven_counts(form, counts):
+    """The ranks that ran out call the model on an empty batch of the same form as the others'."""
+    expected = _expected(counts)
+    for result in run_world(_update_in_form, len(counts), counts, form):
+        for i, (mean, var) in expected.items():
+            torch.testing.assert_close(result[i][0].double(), mean, rtol=2e-6, atol=2e-6)
+            torch.testing.assert_close(result[i][1].double(), var, rtol=2e-6, atol=2e-6)

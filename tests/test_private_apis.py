@@ -79,6 +79,61 @@ def test_checkpoint_regions_are_found_from_the_frames_of_both_checkpoint_modes(r
     assert _checkpointing.regions() is _checkpointing.OUTSIDE
 
 
+def test_selective_checkpointing_modes_can_be_taken_off_the_dispatch_stack():
+    """torch.utils.checkpoint's two selective-checkpointing modes, and the mode stack functions that take
+    them off (and put them back) around a synchronized call's own ops."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    assert len(_checkpointing._SELECTIVE) == 2
+    assert {mode.__name__ for mode in _checkpointing._SELECTIVE} == {
+        "_CachingTorchDispatchMode",
+        "_CachedTorchDispatchMode",
+    }
+    assert not _torch_compat.dispatch_modes_active()
+    with Seen() as below, Seen() as hidden, Seen() as above:
+        assert _torch_compat.dispatch_modes_active()
+        with _torch_compat.without_dispatch_modes(lambda mode: mode is hidden):
+            torch.ones(2).sin()
+        torch.ones(2).cos()
+    assert torch.ops.aten.sin.default in below.ops and torch.ops.aten.sin.default in above.ops
+    assert torch.ops.aten.sin.default not in hidden.ops and torch.ops.aten.cos.default in hidden.ops
+
+
+def test_module_call_frames_are_torchs_call_impl():
+    """identity.calling_modules reads the ``self`` of these two functions' frames only."""
+    from distsync._syncbn import identity
+
+    assert {code.co_name for code in identity._CALL_CODES} == {"_wrapped_call_impl", "_call_impl"}
+    assert all(code.co_varnames[0] == "self" for code in identity._CALL_CODES)
+    seen = []
+    outer = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    outer[0].register_forward_pre_hook(lambda module, args: seen.extend(identity.calling_modules()))
+    outer(torch.ones(1, 2))
+    assert seen[0] is outer and seen[1] is outer[0]
+
+
+def _broadcast_list(rank, world_size):
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    before = len(ddp.modules_buffers)
+    changed = _torch_compat.leave_out_of_ddp_buffer_sync(ddp, {"1.running_mean", "1.running_var"})
+    return before, changed, [name for name in ddp.named_module_buffers], ddp.will_sync_module_buffers()
+
+
+def test_ddp_rebuilds_its_buffer_broadcast_list_from_its_ignore_set():
+    for before, changed, names, syncs in run_world(_broadcast_list, 2):
+        assert (before, changed, names, syncs) == (3, True, ["1.num_batches_tracked"], True)
+
+
 def test_autograd_engine_runs_callbacks_at_the_end_of_backward():
     order = []
     x = torch.ones(2, requires_grad=True)

@@ -11,19 +11,33 @@ output, bit for bit, no collective, no second update. Every rank recomputes the 
 all of them skip the collectives alike. The identity cannot collide: it is the region, not the data.
 
 A region is found from the calling frames of ``torch/utils/checkpoint.py`` (the only place where both the
-region's forward and its recomputation are visible). Nested regions log a call in every region around it;
+region's forward and its recomputation are visible). Only those frames' variables are read: on Python < 3.13
+that leaves a snapshot of them in the frame, which ends with the frame, that is with the region's forward
+or recomputation; they hold the region's own arguments, which the frame holds anyway, and nothing of the
+caller's. Nested regions log a call in every region around it;
 a recomputation takes its calls from the innermost region being recomputed. A forward run inside a
 backward outside any checkpoint (a reversible network's custom backward) is an ordinary call: it
 all-reduces and moves the running statistics, as ``nn.SyncBatchNorm`` and ``nn.BatchNorm`` do. Should
 torch's checkpoint internals change so that a region is not found, a recomputed call is an ordinary call
 too (right, as ``nn.SyncBatchNorm`` is, not bit-identical) and ``tests/test_private_apis.py`` fails.
+
+Selective activation checkpointing (``create_selective_checkpoint_contexts``) adds a ``TorchDispatchMode``
+that records each op of the region's forward and, in the recomputation, hands back the outputs of the ops
+its policy saved and expects every other op again, in the same order. A synchronized call's ops are not the
+same twice by design: the forward packs and all-reduces a payload and moves the running statistics in place
+(tensors it caches are mutated afterwards), the recomputation normalizes with the logged statistics. So a
+synchronized call runs unseen by those modes (:func:`outside_selective`) in both: they cache none of it and
+expect none of it, and its output is made the way it is without them, the same bits. With nobody to sync
+with, a recomputed call is batch norm of the same input again, on copies of the running statistics (they
+move once, as without checkpointing; ``nn.BatchNorm`` moves them twice unless a policy saves its op).
 """
 
 from __future__ import annotations
 
 import sys
 import types
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -32,13 +46,22 @@ from torch import Tensor
 from distsync import _torch_compat
 from distsync._syncbn.moments import Stats
 
-__all__ = ["OUTSIDE", "CheckpointError", "Regions", "regions", "replaying"]
+__all__ = ["OUTSIDE", "CheckpointError", "Regions", "copies", "outside_selective", "regions", "replaying"]
 
 _FILE = torch_checkpoint.__file__
 _REENTRANT = getattr(torch_checkpoint, "CheckpointFunction", None)
 _REENTRANT_FORWARD = getattr(getattr(_REENTRANT, "forward", None), "__code__", None)
 _REENTRANT_BACKWARD = getattr(getattr(_REENTRANT, "backward", None), "__code__", None)
 _FRAME_CLASS = getattr(torch_checkpoint, "_CheckpointFrame", None)  # non-reentrant: one per region call
+# Selective activation checkpointing's modes: recording the forward's ops, replaying them (2.4 to 2.14)
+_SELECTIVE = tuple(
+    mode
+    for mode in (
+        getattr(torch_checkpoint, "_CachingTorchDispatchMode", None),
+        getattr(torch_checkpoint, "_CachedTorchDispatchMode", None),
+    )
+    if isinstance(mode, type)
+)
 
 
 class CheckpointError(RuntimeError):
@@ -116,8 +139,32 @@ def regions() -> Regions:
 
 
 def replaying() -> bool:
-    """Whether the current call repeats a checkpointed region's call (a recomputation)."""
+    """Whether the current call repeats a checkpointed region's call (a recomputation, which runs in a
+    backward pass: elsewhere no frame is looked at)."""
+    if torch.compiler.is_compiling() or _torch_compat.graph_task_id() == -1:
+        return False  # compiled code recomputes under its own rules, as regions() says
     return regions().replaying is not None
+
+
+def outside_selective(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` unseen by selective activation checkpointing's dispatch modes (other modes still see
+    it): for distsync's own ops of a synchronized call, which differ between a region's forward and its
+    recomputation by design."""
+    if torch.compiler.is_compiling() or not _torch_compat.dispatch_modes_active():
+        return fn(*args)
+    with _torch_compat.without_dispatch_modes(_is_selective):
+        return fn(*args)
+
+
+def copies(running: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
+    """Copies of running statistics for a recomputed training call with nobody to sync with: batch norm
+    makes the same output from the same input, and the statistics themselves move once, as without
+    checkpointing."""
+    return tuple(None if buffer is None else buffer.clone() for buffer in running)
+
+
+def _is_selective(mode: object) -> bool:
+    return isinstance(mode, _SELECTIVE)
 
 
 def _region_of(frame: types.FrameType) -> tuple[object, bool] | None:

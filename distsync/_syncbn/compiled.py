@@ -40,7 +40,7 @@ from distsync._syncbn.identity import (
     call_modulus,
     payload_size,
 )
-from distsync._syncbn.unwrapped import warn_if_unwrapped
+from distsync._syncbn.unwrapped import meet_callers
 
 __all__ = ["TRACEABLE", "prepare", "register", "sync_batch_norm"]
 
@@ -108,7 +108,7 @@ def prepare(key: int) -> int:
     state = layer._sync_state
     if state.identity is None:
         state.resolve(layer, layer.num_features)
-        warn_if_unwrapped(layer, world_size)
+        meet_callers(layer, world_size)
     first = dist.get_rank(layer.process_group) == 0
     layer._sync_template = (*_template(world_size, first, state.identity), call_modulus(world_size))
     _remember(layer, state.layer_name, world_size)

@@ -64,8 +64,30 @@ class _RouteBatchNorm(TorchFunctionMode):
         arguments = (self.layer, *(call[name] for name in _SIGNATURES[F.batch_norm]))
         if self.tracer is not None:  # the graph calls the layer's sync when it runs
             return self.tracer.create_proxy("call_function", synchronized_batch_norm, arguments, {})
+        # distsync's own ops: selective activation checkpointing sees none of them
+        return _checkpointing.outside_selective(self._training_call, func, names, args, kwargs, arguments)
+
+    def _training_call(self, func, names: tuple[str, ...], args: tuple, kwargs: dict, arguments: tuple):
         output = _synced_or_none(*arguments)
-        return func(*args, **kwargs) if output is None else output
+        if output is not None:
+            return output
+        if _checkpointing.replaying():  # nobody to sync with: the same batch norm, the statistics moved once
+            running = _checkpointing.copies(arguments[2:4])  # (running_mean, running_var)
+            args, kwargs = _replaced(names, args, kwargs, dict(zip(_STATS, running, strict=True)))
+        return func(*args, **kwargs)
+
+
+def _replaced(names: tuple[str, ...], args: tuple, kwargs: dict, values: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` of a call of a function with parameters ``names``, with ``values`` in place of
+    the arguments so named."""
+    args, kwargs = list(args), dict(kwargs)
+    for name, value in values.items():
+        index = names.index(name)
+        if index < len(args):
+            args[index] = value
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
 
 
 def _synced_or_none(
@@ -161,13 +183,13 @@ def _routed_forward(twin: type, self: DistSyncBatchNorm, args: tuple, kwargs: di
     route = _RouteBatchNorm(self)
     counted = self.num_batches_tracked
     recomputed = counted is not None and _checkpointing.replaying()
-    before = counted.clone() if recomputed else None  # checkpointing runs the forward again
+    before = _checkpointing.outside_selective(counted.clone) if recomputed else None  # the forward again
     try:
         with route:
             output = original(*args, **kwargs)
     finally:
         if recomputed:  # counted once, as without checkpointing (which may stop a recomputation early)
-            counted.copy_(before)
+            _checkpointing.outside_selective(counted.copy_, before)
     if route.calls == 0:
         input = args[0] if args else None
         if isinstance(input, Tensor) and input.dim() >= 2 and input.numel() == 0:
@@ -185,7 +207,7 @@ def _take_part_without_samples(layer: DistSyncBatchNorm, input: Tensor, output):
     counted = layer.num_batches_tracked
     if layer.track_running_stats and counted is not None:
         if not _checkpointing.replaying():
-            counted.add_(1)
+            _checkpointing.outside_selective(counted.add_, 1)
         factor = 1.0 / float(counted) if layer.momentum is None else layer.momentum
     updates = layer.track_running_stats and layer._updates_running_stats
     synced = layer._sync_batch_norm(

@@ -23,8 +23,9 @@ class Call(NamedTuple):
     dtype: torch.dtype  # the input's (forward)
     momentum: float | None = None
     eps: float = 0.0
-    running: bool = False  # running statistics updated by the call
-    counts: bool = False  # the call counts the batch in num_batches_tracked (else its caller did)
+    running_mean: Tensor | None = None  # the running statistics the call updates (None: none)
+    running_var: Tensor | None = None
+    counts: bool = False  # the call counts the batch in the layer's num_batches_tracked (else its caller did)
 
 
 class Reducer(Protocol):

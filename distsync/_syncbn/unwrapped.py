@@ -1,4 +1,6 @@
-"""A synchronized model that nothing averages the gradients of: said once, on every rank.
+"""What a synchronized layer's first call learns from the modules calling it: the DDP models whose buffer
+broadcast leaves its running statistics alone (:mod:`distsync._syncbn.ddp_buffers`), and whether anything
+averages its gradients, said once, on every rank.
 
 Synchronized batch norm makes each rank's forward depend on every rank's batch, but it leaves the
 parameters' gradients local, as ``nn.SyncBatchNorm`` does: a data-parallel wrapper (DDP, FSDP, DeepSpeed's
@@ -6,8 +8,8 @@ engine, ...) averages them. A model whose synced layers train in a group of seve
 wrapper trains each rank's weights on its own gradients while sharing batch statistics: silently not data
 parallel. It happens when a launcher starts the ranks but the training code does not know it (``accelerate
 launch`` without the matching ``Accelerator`` settings, a script that forgot DDP). The first training call
-that carries gradients looks at the modules being called (the frames' ``self``, wrappers' inner modules
-followed) for a data-parallel wrapper, once per process, and warns if it finds none.
+that carries gradients looks at the modules being called (torch's module-call frames' ``self``, wrappers'
+inner modules followed) for a data-parallel wrapper, once per process, and warns if it finds none.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ import warnings
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
+from distsync._syncbn.ddp_buffers import leave_out_of_broadcast
 from distsync._syncbn.identity import calling_modules, is_wrapper_slot
 
-__all__ = ["warn_if_unwrapped"]
+__all__ = ["meet_callers"]
 
 # Classes (and base classes) that average gradients across ranks: torch's DDP and FSDP (1 and 2), and
 # those of other libraries, known by name so that none of them is imported.
@@ -48,16 +52,27 @@ def _data_parallel(module: nn.Module) -> bool:
         module = inner
 
 
-def warn_if_unwrapped(layer: nn.Module, world_size: int) -> None:
-    """At a synchronized training call of ``layer`` among ``world_size`` ranks: warn, once per process,
-    if the call carries gradients and no module being called is a data-parallel wrapper."""
+def meet_callers(layer: nn.Module, world_size: int) -> None:
+    """At the first synchronized training call of ``layer`` among ``world_size`` ranks: leave its running
+    statistics out of the buffer broadcast of the DDP models calling it, and warn, once per process, if
+    the call carries gradients and no module being called is a data-parallel wrapper."""
+    if world_size <= 1:
+        return
+    callers = calling_modules()
+    for module in callers:
+        if isinstance(module, DistributedDataParallel):
+            leave_out_of_broadcast(module, layer)
+    _warn_if_unwrapped(layer, world_size, callers)
+
+
+def _warn_if_unwrapped(layer: nn.Module, world_size: int, callers: list[nn.Module]) -> None:
     global _decided
-    if _decided or world_size <= 1 or not torch.is_grad_enabled():
+    if _decided or not torch.is_grad_enabled():
         return
     if not any(p.requires_grad for p in layer.parameters(recurse=False)):
         return  # a frozen layer or update_bn: no gradients to average, decide at a later call
     _decided = True
-    if any(_data_parallel(module) for module in calling_modules()):
+    if any(_data_parallel(module) for module in callers):
         return
     warnings.warn(
         f"distsync: the synchronized layer {layer._sync_state.layer_name or type(layer).__name__} trains in "
@@ -66,5 +81,5 @@ def warn_if_unwrapped(layer: nn.Module, world_size: int) -> None:
         "averaged, so every rank trains its own weights. Wrap the model in DistributedDataParallel (see "
         "docs/recipes.md for accelerate and mmengine), or ignore this if you average gradients yourself.",
         RuntimeWarning,
-        stacklevel=2,
+        stacklevel=3,
     )
