@@ -167,18 +167,11 @@ def _host_reduce(input: Tensor, part, count: int, call: SyncCall) -> _host.Merge
         state.shift = state.shift_ref = None  # the layer moved: start again from zero
     shift = state.shift.numpy() if keeps_shift and state.shift is not None else None
     payload = _host.pack(part, shift, count, tail, channels, call.problem is not None)
+    # (the second all-reduce below is decided alike on every rank: not announced)
     reducer.announce(
-        Call(
-            FORWARD,
-            state,
-            channels,
-            input.dtype,
-            call.momentum,
-            call.eps,
-            call.running_mean is not None,
-            call.num_batches_tracked is not None,
-        )
-    )  # fmt: skip  (the second all-reduce below is decided alike on every rank: not announced)
+        Call(FORWARD, state, channels, input.dtype, call.momentum, call.eps, call.running_mean,
+             call.running_var, call.num_batches_tracked is not None)
+    )  # fmt: skip
     _all_reduce(reducer, torch.from_numpy(payload), tag)
     if _host.check(payload, tag, world_size, call.problem, True) == 0:
         nothing = np.full(channels, np.nan)
