@@ -1,27 +1,54 @@
 #!/usr/bin/env bash
-# CI on another torch release: a venv of its own with torch==$1 (a CUDA build from the registry, several GB,
-# which imports and runs on the CPU), the self-check and the tests that make the drop-in claim on that
-# release (layer, accuracy, conversion, subclasses, identity, the libraries and recipes, private APIs,
-# compile, a distsync.launch world, one packaged job). The venv is deleted afterwards.
+# CI on another torch release, or another Python:
+#
+#   bash .ci/torch_release.sh TORCH_RELEASE [PYTHON]     # e.g. 2.4.1 3.10, or 2.14.1 3.13
+#
+# A venv of its own, made by Python PYTHON (X.Y: python X.Y on the PATH, else pyenv's X.Y.*; default
+# python3), with torch==TORCH_RELEASE (a CUDA build from the registry, several GB, which imports and runs on
+# the CPU) and the torchvision release built for it; then the self-check and the tests that make the drop-in
+# claim on that release (layer, accuracy, conversion, subclasses, identity, the libraries and recipes,
+# private APIs, compile, a distsync.launch world, one packaged job). The venv is deleted afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-release="$1"
-case "$release" in  # the torchvision release built for each torch release
-    2.4.*) vision="0.19.${release##*.}" ;;
-    2.14.*) vision="0.29.${release##*.}" ;;
-    *) echo "no torchvision release known for torch $release" >&2; exit 2 ;;
-esac
-venv=".venv-torch-$release"
+release="${1:?usage: .ci/torch_release.sh TORCH_RELEASE [PYTHON], e.g. 2.14.1 3.13}"
+want_python="${2:-}"
+# torch 2.x.y pairs with torchvision 0.(x+15).y: each torchvision release from 0.19.0 to 0.29.1 requires
+# that torch release (0.29.x: torch >= 2.14.0). distsync needs torch >= 2.4.
+if [[ ! "$release" =~ ^2\.([0-9]+)\.([0-9]+)$ ]] || ((BASH_REMATCH[1] < 4)); then
+    echo "torch release $release: give one of 2.4.0 and later, as X.Y.Z" >&2
+    exit 2
+fi
+vision="0.$((BASH_REMATCH[1] + 15)).${BASH_REMATCH[2]}"
+
+python=python3
+if [ -n "$want_python" ]; then
+    python=
+    for candidate in "python$want_python" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$want_python".*/bin/python; do
+        if [ "$("$candidate" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" = "$want_python" ]; then
+            python=$candidate
+            break
+        fi
+    done
+    if [ -z "$python" ]; then
+        echo "no Python $want_python here: neither python$want_python nor pyenv's $want_python.*" >&2
+        exit 2
+    fi
+fi
+
+venv=".venv-torch-$release${want_python:+-py$want_python}"
 rm -rf "$venv"
 trap 'rm -rf "$venv"' EXIT
-python3 -m venv "$venv"
+"$python" -m venv "$venv"
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+started=$SECONDS
 pip install -q "torch==$release" "torchvision==$vision"
 pip install -q "torch==$release" "torchvision==$vision" -e ".[test]"
-python -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"
+python -c "import platform, torch, torchvision
+print('Python', platform.python_version(), '| torch', torch.__version__, '| torchvision', torchvision.__version__)"
+echo "installed in $((SECONDS - started)) s"
 
 python -m distsync.check --nproc 2
 python -m pytest -q -p no:cacheprovider \
@@ -31,3 +58,4 @@ python -m pytest -q -p no:cacheprovider \
     "tests/test_elastic.py::test_launch_returns_rank_zeros_value" \
     "tests/test_elastic.py::test_ranks_that_end_without_a_result_leave_rank_zeros_value" \
     "tests/test_launch.py::test_single_run_from_repo_root"
+echo "torch $release on Python $(python -c 'import platform; print(platform.python_version())'): done in $((SECONDS - started)) s"

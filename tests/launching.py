@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,10 @@ from distsync.testing import timeout_scale
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch" / "train.py"
+EXAMPLE_APP = ROOT / "examples" / "hydra_app"
+RUN_OUTPUTS = ("outputs", "multirun", "__pycache__")
+"""What running an app leaves in its folder: Hydra's run and sweep directories (an Optuna sweep's journal
+among them) and Python's byte code. A user who followed the example's README inside the checkout has them."""
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(SCRIPT)]
 FAST = [
     "trainer.log_every=5",
@@ -20,6 +25,13 @@ FAST = [
     "trainer.checkpoint_every=10",
     "trainer.monitor_interval=0.2",
 ]
+
+
+def copy_example_app(dest: Path, source: Path = EXAMPLE_APP) -> Path:
+    """The example app copied to ``dest`` (outside the checkout: it runs against the installed distsync),
+    without the outputs of earlier runs in ``source``, which would mix with the tests' own."""
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns(*RUN_OUTPUTS))
+    return dest
 
 
 def job_env(**extra: str) -> dict[str, str]:

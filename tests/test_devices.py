@@ -4,13 +4,17 @@ of a world pinned with ``distsync.launch(devices=...)`` sees (GPUs faked: only t
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from elastic_fns import all_ranks_devices
+from launching import run_job
 
 import distsync
 from distsync.launching.devices import (
     DeviceSet,
+    crowding,
     nproc_on,
     split_devices,
     this_process_devices,
@@ -119,3 +123,53 @@ def test_every_worker_sees_its_worlds_gpus_and_cores(monkeypatch):
     core = max(os.sched_getaffinity(0))
     seen = distsync.launch(all_ranks_devices, None, nproc_per_node=2, devices=DeviceSet("cpu", (core,)))
     assert [(rank, cores, threads) for rank, _, cores, threads in seen] == [(0, [core], 1), (1, [core], 1)]
+
+
+@pytest.mark.parametrize(
+    ("ranks", "cores", "jobs", "threads", "line"),
+    [
+        (2, 2, 1, 1, None),
+        (4, 8, 2, 1, None),  # 2 jobs at once, 4 ranks each, on 8 cores
+        (2, 4, 1, 2, None),
+        (
+            8, 2, 1, 1,
+            "distsync: 8 ranks on 2 cores: ranks that share a core wait for each other at every all-reduce "
+            "(steps several times slower); use nproc_per_node <= 2",
+        ),
+        (
+            4, 2, 2, 1,
+            "distsync: 2 jobs at once of 4 ranks each on 2 cores: ranks that share a core wait for each "
+            "other at every all-reduce (steps several times slower); use hydra.launcher.n_jobs * "
+            "nproc_per_node <= 2",
+        ),
+        (
+            2, 1, 1, 1,
+            "distsync: 2 ranks on 1 core: ranks that share a core wait for each other at every all-reduce "
+            "(steps several times slower); use nproc_per_node <= 1",
+        ),
+        (
+            2, 4, 1, 4,
+            "distsync: 2 ranks * 4 threads (OMP_NUM_THREADS=4) on 4 cores: ranks that share a core wait for "
+            "each other at every all-reduce (steps several times slower); set OMP_NUM_THREADS=2",
+        ),
+    ],
+)  # fmt: skip
+def test_ranks_or_threads_beyond_the_cores_are_said_in_one_line(ranks, cores, jobs, threads, line):
+    assert crowding(ranks, cores, jobs, threads) == line
+
+
+def test_a_world_that_crowds_its_cores_is_said_once_per_process():
+    """One rank on a core: nothing; two ranks on it, twice: one line, the first time."""
+    code = (
+        "import os, distsync, elastic_fns\n"
+        "core = distsync.DeviceSet('cpu', (max(os.sched_getaffinity(0)),))\n"
+        "for nproc in (1, 2, 2):\n"
+        "    distsync.launch(elastic_fns.rank_and_config, None, nproc_per_node=nproc, devices=core)\n"
+    )
+    proc = run_job([sys.executable, "-c", code], cwd=Path(__file__).parent, timeout=120)
+    assert proc.returncode == 0
+    said = [line for line in proc.stderr.splitlines() if line.startswith("distsync: ")]
+    assert said == [
+        "distsync: 2 ranks on 1 core: ranks that share a core wait for each other at every all-reduce "
+        "(steps several times slower); use nproc_per_node <= 1"
+    ], proc.stderr

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from elastic_fns import end_as, fail_on_rank_one, flush_at_exit, put_rank, rank_and_config
-from launching import ROOT, job_env, run_job
+from launching import copy_example_app, job_env, run_job
 
 import distsync
 from distsync.launching.elastic import LaunchError
@@ -230,10 +230,7 @@ def test_a_port_held_by_another_program_is_refused_after_the_rendezvous_timeout(
 @pytest.fixture
 def app(tmp_path) -> Path:
     """The example app, copied outside the checkout: it runs against the installed distsync."""
-    copy = tmp_path / "my_app"
-    ignore = shutil.ignore_patterns("outputs", "multirun")
-    shutil.copytree(ROOT / "examples" / "hydra_app", copy, ignore=ignore)
-    return copy
+    return copy_example_app(tmp_path / "my_app")
 
 
 def _run_app(app: Path, *args: str):

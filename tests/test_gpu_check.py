@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import sys
 import pytest
 from launching import ROOT
 from packaging.requirements import Requirement
+
+from distsync.testing import timeout_scale
 
 try:
     import tomllib
@@ -32,6 +35,17 @@ def test_the_plan_names_every_part_and_fits_the_time_limit():
     for part in check.PARTS:  # without CUDA here: the GPU-only parts say they are skipped
         expected = "skipped: needs CUDA" if part.needs_cuda else "on the CPU"
         assert re.search(rf"^{part.name} .*{expected}", proc.stdout, re.M), proc.stdout
+
+
+def test_in_the_dry_run_the_time_limits_grow_as_the_tests_do():
+    """On the CPU every limit is the tests' factor for a busy machine times the GPU run's own."""
+    env = dict(os.environ, DISTSYNC_TEST_TIMEOUT_SCALE="3")
+    proc = subprocess.run(
+        [sys.executable, str(GPU / "check.py"), "--plan"], capture_output=True, text=True, check=True, env=env
+    )
+    limits = {line.split()[0]: int(line.split()[1]) for line in proc.stdout.splitlines()[:-1]}
+    assert limits == {part.name: 3 * part.limit_s for part in check.PARTS}
+    assert proc.stdout.splitlines()[-1].startswith(f"total limit {3 * check.TOTAL_LIMIT_S} s")
 
 
 def test_every_part_resolves_to_a_function():
@@ -56,13 +70,16 @@ def test_the_carried_wheels_satisfy_the_project_and_the_script_parses():
 
 @pytest.mark.slow
 def test_the_dry_run_on_the_cpu_passes_what_it_runs_and_skips_the_rest(tmp_path):
-    """About a minute: the parts that can run on the CPU run smaller there, so their code is exercised."""
+    """About a minute: the parts that can run on the CPU run smaller there, so their code is exercised.
+    The check's limits and this test's wait grow by the same factor for a busy machine."""
+    scale = timeout_scale()
     proc = subprocess.run(
         [sys.executable, str(GPU / "check.py"), "--out", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=check.TOTAL_LIMIT_S + 60,
+        timeout=(check.TOTAL_LIMIT_S + 60) * scale,
         check=False,
+        env=dict(os.environ, DISTSYNC_TEST_TIMEOUT_SCALE=str(scale)),
     )
     report = json.loads((tmp_path / "report.json").read_text())
     statuses = {name: part["status"] for name, part in report["parts"].items()}

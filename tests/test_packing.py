@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from launching import ROOT, job_env, run_job
+from launching import copy_example_app, job_env, run_job
 
-from distsync.launching.devices import DeviceSet
+from distsync.launching.devices import DeviceSet, crowding
 from distsync.launching.packing import run_packed
 
 SLOTS = [DeviceSet("cpu", (0,)), DeviceSet("cpu", (1,))]
@@ -107,13 +107,7 @@ def test_a_signal_stops_every_running_job_and_starts_no_other(tmp_path, signum):
 
 
 def _app(tmp_path: Path) -> Path:
-    import shutil
-
-    app = tmp_path / "my_app"
-    shutil.copytree(
-        ROOT / "examples" / "hydra_app", app, ignore=shutil.ignore_patterns("outputs", "multirun")
-    )
-    return app
+    return copy_example_app(tmp_path / "my_app")
 
 
 def _records(sweep: Path) -> list[dict]:
@@ -165,6 +159,10 @@ def test_a_packed_sweep_gives_each_job_its_gpus(tmp_path):
     assert proc.returncode == 0
     assert [r["cuda_visible_devices"] for r in _records(app / "multirun")] == ["0,1", "2,3"]
     assert "2 at a time, each on its own GPUs" in proc.stdout
+    # Both jobs' ranks share this machine's cores: said once for the sweep (on 2 cores), never per job
+    crowded = crowding(2, len(os.sched_getaffinity(0)), jobs=2)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("distsync: ")]
+    assert said == ([crowded] if crowded else []), proc.stderr
 
 
 def test_an_n_jobs_the_gpus_cannot_hold_is_refused_before_any_job(tmp_path):

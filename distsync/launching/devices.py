@@ -4,7 +4,8 @@ Several worlds on one machine (the jobs of a packed sweep, or a script's own wor
 cores. :func:`visible_devices` says what this process may use (GPUs if any, else CPU cores; inside a SLURM
 allocation only the allocation's), :func:`split_devices` cuts that into disjoint sets, one per running world
 (a pure function), and :func:`pin_process` applies a set in a worker before anything else runs there:
-``CUDA_VISIBLE_DEVICES`` for GPUs, the CPU affinity (and torch's thread count) for cores.
+``CUDA_VISIBLE_DEVICES`` for GPUs, the CPU affinity (and torch's thread count) for cores. Where a launch
+gives its ranks fewer cores than they need, :func:`warn_if_crowded` says so once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["DeviceSet", "pin_process", "split_devices", "visible_devices", "usable_cores"]
+__all__ = [
+    "DeviceSet",
+    "crowding",
+    "pin_process",
+    "split_devices",
+    "usable_cores",
+    "visible_devices",
+    "warn_if_crowded",
+]
 
 FAKE_GPUS_ENV = "DISTSYNC_TEST_GPUS"
 """Test hook: stands for ``torch.cuda.device_count()`` in :func:`visible_devices` (no GPU needed)."""
@@ -200,6 +209,54 @@ def nproc_on(devices: DeviceSet, nproc_per_node: int | str) -> int | str:
     if devices.kind == "cuda" and str(nproc_per_node).isdigit() and int(nproc_per_node) > len(devices.ids):
         raise ValueError(f"nproc_per_node={nproc_per_node} ranks need a GPU each, devices has {devices}")
     return nproc_per_node
+
+
+# ------------------------------------------------------------------------------- more ranks than cores
+
+
+def crowding(ranks: int, cores: int, jobs: int = 1, threads: int = 1) -> str | None:
+    """One line saying that ``jobs`` worlds of ``ranks`` ranks, each rank running ``threads`` threads, crowd
+    ``cores`` cores, and what to do; None when every thread has a core.
+
+    Ranks that share a core take turns on it, and every all-reduce waits for the last of them: a step takes
+    several times longer than with one rank per core, which nothing else shows. Pure.
+    """
+    if jobs * ranks * threads <= cores:
+        return None
+    plural = "" if cores == 1 else "s"
+    world = f"{ranks} ranks" if jobs == 1 else f"{jobs} jobs at once of {ranks} ranks each"
+    why = "ranks that share a core wait for each other at every all-reduce (steps several times slower)"
+    if jobs * ranks > cores:
+        ranks_at_once = "nproc_per_node" if jobs == 1 else "hydra.launcher.n_jobs * nproc_per_node"
+        return f"distsync: {world} on {cores} core{plural}: {why}; use {ranks_at_once} <= {cores}"
+    fits = max(1, cores // (jobs * ranks))
+    return (
+        f"distsync: {world} * {threads} threads (OMP_NUM_THREADS={threads}) on {cores} core{plural}: {why}; "
+        f"set OMP_NUM_THREADS={fits}"
+    )
+
+
+_crowding_said = False  # in this process, or in the one it was forked from (a packed sweep's launcher)
+
+
+def warn_if_crowded(ranks: int, devices: DeviceSet | None = None, jobs: int = 1) -> None:
+    """Print :func:`crowding`'s line to stderr if ``jobs`` worlds of ``ranks`` ranks crowd their cores; at
+    most once per process.
+
+    The cores are those of ``devices`` when it is a set of cores (shared by the ``jobs`` worlds), else this
+    process's CPU affinity (GPU worlds still run a host thread per rank). Threads per rank: the user's
+    ``OMP_NUM_THREADS``, else 1 (:func:`pin_process` gives each rank its share of the cores). A packed
+    sweep's launcher says it for the whole sweep before it forks the jobs, which then say nothing more.
+    """
+    global _crowding_said
+    if _crowding_said:
+        return
+    cores = len(devices.ids) if devices is not None and devices.kind == "cpu" else len(usable_cores())
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    line = crowding(ranks, cores, jobs, int(threads) if threads.isdigit() and int(threads) > 0 else 1)
+    if line is not None:
+        print(line, file=sys.stderr, flush=True)
+        _crowding_said = True
 
 
 # ------------------------------------------------------------------------------------- in the worker

@@ -180,10 +180,12 @@ def launch(
         start_method=start_method,
         rdzv_endpoint=rdzv_endpoint,
     )
-    if devices is not None:
-        from distsync.launching.devices import nproc_on
+    from distsync.launching.devices import nproc_on, warn_if_crowded
 
+    if devices is not None:
         nproc_per_node = nproc_on(devices, nproc_per_node)
+    ranks = _nproc(nproc_per_node)
+    warn_if_crowded(ranks, devices)
     min_nodes, max_nodes = _parse_nnodes(nnodes)
     if standalone is None:
         standalone = max_nodes == 1 and not rdzv_endpoint
@@ -203,7 +205,7 @@ def launch(
     config = LaunchConfig(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
-        nproc_per_node=_nproc(nproc_per_node),
+        nproc_per_node=ranks,
         run_id=rdzv_id,
         role=role,
         rdzv_endpoint=rdzv_endpoint,

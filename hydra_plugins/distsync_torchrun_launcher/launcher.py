@@ -182,7 +182,7 @@ class TorchrunLauncher(Launcher):
 
     def _slots(self, jobs: int) -> Optional[list]:  # noqa: UP045
         """The device sets of the jobs running at once; None to run the jobs one after the other here."""
-        from distsync.launching.devices import split_devices, this_process_devices
+        from distsync.launching.devices import split_devices, this_process_devices, warn_if_crowded
 
         n_jobs = self.options.get("n_jobs", 1)
         n_jobs = int(n_jobs) if str(n_jobs).isdigit() else n_jobs
@@ -205,6 +205,7 @@ class TorchrunLauncher(Launcher):
         if not str(nproc).isdigit():
             raise ValueError(f"n_jobs={n_jobs} needs nproc_per_node as a number, got {nproc!r}")
         slots = split_devices(visible, int(nproc), n_jobs, jobs=jobs)
+        warn_if_crowded(int(nproc), visible, jobs=len(slots))  # said here once, not by every job
         return slots if len(slots) > 1 else None  # one job at a time: here, on every device, as n_jobs=1
 
     def _launch_packed(self, job_overrides, initial_job_idx: int, slots: list) -> list[JobReturn]:

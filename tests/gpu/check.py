@@ -6,8 +6,9 @@
 
 Each part runs in a process of its own under a time limit, so that a failure, a crash or a hang is reported
 and the next part still runs. Without CUDA (the dry run) a part that needs it is skipped with a line saying
-so; the others run a smaller version of themselves on the CPU, which exercises their code. Writes
-``report.md`` and ``report.json`` to the output folder (``$OUT`` when set). See ``tests/gpu/README.md``.
+so; the others run a smaller version of themselves on the CPU, which exercises their code, under limits
+that grow with the machine's load as the tests' do. Writes ``report.md`` and ``report.json`` to the output
+folder (``$OUT`` when set). See ``tests/gpu/README.md``.
 """
 
 from __future__ import annotations
@@ -59,8 +60,17 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def limit_scale(cuda: bool) -> float:
+    """What the time limits are multiplied by here: 1 on a GPU; in the dry run, the test suite's factor for
+    a busy machine (``common.limit_scale``)."""
+    import common
+
+    return common.limit_scale("cuda" if cuda else "cpu")
+
+
 def plan(cuda: bool) -> list[dict[str, Any]]:
-    """What a run on this machine would do, part by part."""
+    """What a run on this machine would do, part by part, under which time limit."""
+    scale = limit_scale(cuda)
     rows = []
     for part in PARTS:
         runs = (
@@ -68,7 +78,8 @@ def plan(cuda: bool) -> list[dict[str, Any]]:
             if part.needs_cuda and not cuda
             else ("on the GPU" if cuda else "on the CPU")
         )
-        rows.append({"name": part.name, "title": part.title, "limit_s": part.limit_s, "runs": runs})
+        limit_s = round(part.limit_s * scale)
+        rows.append({"name": part.name, "title": part.title, "limit_s": limit_s, "runs": runs})
     return rows
 
 
@@ -139,7 +150,8 @@ def run_all(only: list[str] | None, out: Path) -> int:
         "environment": common.environment(),
         "parts": {},
     }
-    deadline = time.monotonic() + TOTAL_LIMIT_S
+    scale = limit_scale(cuda)
+    deadline = time.monotonic() + TOTAL_LIMIT_S * scale
     print(f"distsync GPU check on {report['environment']['device']}, torch {report['environment']['torch']}")
     for part in PARTS:
         if only and part.name not in only:
@@ -147,7 +159,7 @@ def run_all(only: list[str] | None, out: Path) -> int:
         if part.needs_cuda and not cuda:
             result = {"status": "SKIP", "why": "needs CUDA: no CUDA device here", "seconds": 0.0}
         else:
-            limit = min(part.limit_s, deadline - time.monotonic())
+            limit = min(part.limit_s * scale, deadline - time.monotonic())
             if limit < 5:
                 result = {"status": "FAIL", "error": "not run: the check's total time limit was reached"}
             else:
@@ -224,11 +236,14 @@ def main(argv: list[str] | None = None) -> int:
         run_part(args.run_part, args.result)
         return 0
     if args.plan:
-        rows = plan(_cuda_available())
+        cuda = _cuda_available()
+        rows = plan(cuda)
         for row in rows:
             print(f"{row['name']:11} {row['limit_s']:4d} s  {row['runs']:20}  {row['title']}")
+        scale = limit_scale(cuda)
         print(
-            f"total limit {TOTAL_LIMIT_S} s (the parts' limits add up to {sum(p.limit_s for p in PARTS)} s)"
+            f"total limit {TOTAL_LIMIT_S * scale:.0f} s (the parts' limits add up to "
+            f"{sum(part.limit_s for part in PARTS) * scale:.0f} s)"
         )
         return 0
     return run_all(args.only, args.out)

@@ -31,7 +31,7 @@ warnings.filterwarnings("ignore", "distsync: the synchronized layer", RuntimeWar
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from distsync.testing import free_port  # noqa: E402
+from distsync.testing import free_port, timeout_scale  # noqa: E402
 
 
 class Findings:
@@ -74,6 +74,14 @@ def rank_device(device: str, rank: int = 0) -> torch.device:
 def quick(device: str) -> bool:
     """The dry run on the CPU: fewer repetitions, smaller models."""
     return device == "cpu"
+
+
+def limit_scale(device: str) -> float:
+    """What the check's time limits are multiplied by: 1 on a GPU, where the whole check must fit the time
+    the machine is lent for; in the dry run on the CPU, the test suite's factor
+    (:func:`distsync.testing.timeout_scale`: ``DISTSYNC_TEST_TIMEOUT_SCALE``, else the load per core), so
+    a busy machine makes the dry run slower, not failed."""
+    return 1.0 if device == "cuda" else timeout_scale()
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, Findings, quick
+from common import ROOT, Findings, limit_scale, quick
 
 LOGGING = ["trainer.log_every=50", "trainer.eval_every=100", "trainer.checkpoint_every=100"]
 
@@ -62,7 +62,7 @@ def run(findings: Findings, device: str) -> None:
             f"hydra.run.dir={run_dir}",
             *LOGGING,
         ]
-        proc, seconds = _run(args, timeout=150)
+        proc, seconds = _run(args, timeout=150 * limit_scale(device))
         findings.figure("launch/train.py: seconds, command start to exit", round(seconds, 1))
         findings.check(
             "launch/train.py trainer.nproc_per_node=1: exit 0",
@@ -76,7 +76,7 @@ def run(findings: Findings, device: str) -> None:
             "-m", "hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=1", f"hydra.sweep.dir={sweep}",
             "optim.lr=0.05", f"trainer.max_steps={sweep_steps}", *LOGGING,
         ]  # fmt: skip
-        proc, seconds = _run(args, timeout=150)
+        proc, seconds = _run(args, timeout=150 * limit_scale(device))
         findings.figure("plugin sweep of one job: seconds, command start to exit", round(seconds, 1))
         findings.check(
             "-m hydra/launcher=torchrun, one job: exit 0",
