@@ -7,7 +7,8 @@
 # python3), with torch==TORCH_RELEASE (a CUDA build from the registry, several GB, which imports and runs on
 # the CPU) and the torchvision release built for it; then the self-check and the tests that make the drop-in
 # claim on that release (layer, accuracy, conversion, subclasses, identity, the libraries and recipes,
-# private APIs, compile, a distsync.launch world, one packaged job). The venv is deleted afterwards.
+# private APIs, compile, the fake-CUDA trace, a distsync.launch world, one packaged job). The venv is deleted
+# afterwards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,7 +55,7 @@ python -m distsync.check --nproc 2
 python -m pytest -q -p no:cacheprovider \
     tests/test_batchnorm.py tests/test_accuracy.py tests/test_convert.py tests/test_subclass.py \
     tests/test_layer_semantics.py tests/test_identity.py tests/test_libraries.py tests/test_private_apis.py \
-    tests/test_ddp.py tests/test_compile.py tests/test_checkpointing.py tests/test_recipes.py \
+    tests/test_ddp.py tests/test_compile.py tests/test_checkpointing.py tests/test_recipes.py tests/test_cuda_trace.py \
     "tests/test_elastic.py::test_launch_returns_rank_zeros_value" \
     "tests/test_elastic.py::test_ranks_that_end_without_a_result_leave_rank_zeros_value" \
     "tests/test_launch.py::test_single_run_from_repo_root"

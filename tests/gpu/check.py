@@ -44,12 +44,12 @@ class Part:
 
 
 PARTS = (
-    Part("exactness", "1. Exactness on the device", "part_exactness:run", 80, False),
-    Part("host_sync", "2. No host sync in a training step", "part_runtime:host_sync", 35, True),
-    Part("cuda_graph", "3. CUDA graph capture and replay", "part_runtime:cuda_graph", 35, True),
-    Part("compile", "4. torch.compile(fullgraph=True)", "part_compile:run", 90, False),
-    Part("errors", "5. Errors raised on every rank", "part_errors:run", 45, False),
-    Part("speed", "6. Speed, side by side", "part_speed:run", 80, False),
+    Part("exactness", "1. Exactness on the device", "part_exactness:run", 60, False),
+    Part("host_sync", "2. No host sync in a training step", "part_runtime:host_sync", 30, True),
+    Part("cuda_graph", "3. CUDA graph capture and replay", "part_runtime:cuda_graph", 30, True),
+    Part("compile", "4. torch.compile(fullgraph=True)", "part_compile:run", 75, False),
+    Part("errors", "5. Errors raised on every rank", "part_errors:run", 40, False),
+    Part("speed", "6. Speed, side by side", "part_speed:run", 130, False),
     Part("job", "7. The packaged job and the Hydra plugin", "part_job:run", 85, False),
 )
 
