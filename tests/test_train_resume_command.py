@@ -88,5 +88,8 @@ def test_external_torchrun_of_the_module_prints_a_resume_command_that_resumes(tm
     command = shlex.split(lines[0].split("resume it with: ", 1)[1])
     assert command[: len(torchrun)] == torchrun and command[-1].startswith("hydra.run.dir=")
     run_dir = command[-1].removeprefix("hydra.run.dir=")
-    assert run_job(command, tmp_path).returncode == 0
-    assert summary(tmp_path / run_dir)["resumed_from_step"] == 10  # the same run, continued
+    assert summary(tmp_path / run_dir)["steps"] == 10
+    again = run_job(command, tmp_path)
+    assert again.returncode == 0
+    assert f"resumed from {run_dir}/checkpoints/step_00000010.pt" in again.stdout  # the same run, found again
+    assert "finished at step 10 already" in again.stdout
