@@ -36,7 +36,7 @@ import pytest
 
 NODES = ("n1", "n2")
 CPUS_PER_NODE = 4  # more than the machine's cores: two 2-node jobs fit side by side (config_overrides)
-_PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "srun")
+_PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel", "srun")
 _DAEMONS = ("munged", "slurmctld", *(f"slurmd-{node}" for node in NODES))
 _STOP_WAIT_S = 15.0
 
