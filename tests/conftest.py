@@ -5,6 +5,7 @@ import leftover_processes
 import machine_state
 import pytest
 import torch
+from slurm_cluster import slurm_cluster  # noqa: F401  (the session's SLURM cluster, for test_slurm.py)
 
 _vision.ensure_importable()  # torchvision's models importable beside the CPU torch (see _vision.py)
 _WATCHING = leftover_processes.watch()  # orphans of the tests' processes become this process's children

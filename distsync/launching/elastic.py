@@ -14,18 +14,19 @@ This module imports Hydra and OmegaConf only when it is handed a ``DictConfig`` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
+from distsync.launching.rendezvous import RendezvousError, claimed_store
 from distsync.launching.worker import NonRetryableError
 
 if TYPE_CHECKING:
@@ -42,7 +43,6 @@ __all__ = [
 
 T = TypeVar("T")
 
-_SLURM_RDZV_PORT = 29500
 _MULTI_NODE_RDZV_TIMEOUT_S = 900  # agents of a multi-node job may start minutes apart (SLURM, submitit)
 _RDZV_TIMEOUT_S = 600  # torch's default for every rendezvous backend
 _START_METHODS = ("spawn", "fork", "forkserver")
@@ -118,7 +118,9 @@ def launch(
         nnodes: nodes, ``N`` or ``"MIN:MAX"`` (elastic). Default: 1
         rdzv_backend: rendezvous backend (``c10d``, ``etcd``, ``etcd-v2``, ``static``). Default: ``"c10d"``
         rdzv_endpoint: ``host:port`` where the nodes meet. Under SLURM with ``nnodes > 1`` it defaults
-            to the allocation's first host, port 29500. Default: ``""``
+            to the allocation's first host, on a port that follows from the job id (``20000 + id % 10000``),
+            so that two jobs never meet in one store. A store that another run's agents meet in is refused.
+            Default: ``""``
         rdzv_id: the job's id, the same on every node; under SLURM the job id. Default: ``""``
         rdzv_conf: extra rendezvous settings; ``timeout`` is the rendezvous timeout in seconds, with any
             backend (torch's ``join_timeout`` for ``c10d``). Default: ``{"timeout": 900}`` with several
@@ -226,7 +228,11 @@ def launch(
     if start_method == "forkserver":
         start_fork_server()
     try:
-        with ranks_ending_watched(), main_import_deferred():
+        with (
+            _store_of_this_run(config, standalone, timeout_s),
+            ranks_ending_watched(),
+            main_import_deferred(),
+        ):
             results = elastic_launch(config, run_rank)(sent, setup)
     except ChildFailedError as error:  # its long report adds nothing to the one line of LaunchError
         raise _launch_error(error, max_restarts) from None
@@ -234,6 +240,8 @@ def launch(
         raise LaunchError(stopped.message, stopped.failures) from None
     except SignalException as stopped:
         _stop_the_caller(stopped.sigval)
+    except RendezvousError as refused:
+        raise LaunchError(str(refused)) from None
     return _rank_zeros_value(results)
 
 
@@ -292,8 +300,10 @@ def _nproc(nproc_per_node: int | str) -> int:
 def _rendezvous(endpoint: str, run_id: str, max_nodes: int) -> tuple[str, str]:
     """The rendezvous endpoint and id of a multi-node job; inside a SLURM job, defaults from SLURM."""
     if "SLURM_JOB_ID" in os.environ and (not endpoint or not run_id):
-        host, job_id = slurm_first_host_and_id()
-        endpoint = endpoint or f"{host}:{_SLURM_RDZV_PORT}"
+        from distsync.launching.rendezvous import slurm_rendezvous
+
+        slurm_endpoint, job_id = slurm_rendezvous()
+        endpoint = endpoint or slurm_endpoint
         run_id = run_id or job_id
     if not endpoint and max_nodes > 1:
         raise ValueError("rdzv_endpoint must be host:port when nnodes > 1 outside SLURM")
@@ -317,21 +327,17 @@ def _rendezvous_conf(
     return conf, float(conf.get(key, _RDZV_TIMEOUT_S))
 
 
-def slurm_first_host_and_id() -> tuple[str, str]:
-    """First host of the SLURM allocation and the job id, from submitit or else scontrol."""
-    try:
-        import submitit
-
-        env = submitit.JobEnvironment()
-        return env.hostnames[0], str(env.job_id)
-    except (ImportError, RuntimeError):
-        nodes = subprocess.run(
-            ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split()
-        return nodes[0] if nodes else socket.gethostname(), os.environ["SLURM_JOB_ID"]
+@contextlib.contextmanager
+def _store_of_this_run(config: Any, standalone: bool, timeout_s: float) -> Iterator[None]:
+    """A c10d rendezvous of several agents meets in a store that belongs to this run
+    (:func:`~distsync.launching.rendezvous.claimed_store`); torch's rendezvous serves it from this process
+    if this process serves it already."""
+    if standalone or config.rdzv_backend != "c10d":
+        yield
+        return
+    with claimed_store(config.rdzv_endpoint, config.run_id, timeout_s) as serving:
+        config.rdzv_configs.setdefault("is_host", serving)
+        yield
 
 
 def _stop_the_caller(signum: int) -> NoReturn:
@@ -389,9 +395,10 @@ def _check_store_answers(endpoint: str, timeout_s: float) -> None:
 def start_fork_server() -> None:
     """Start this process's fork server, which imports the libraries this process has imported before it
     forks any worker (a server that runs already keeps what it has). Not ``__main__``: the launching script
-    is imported by each worker, once its rank is set. :func:`launch` calls it; the Hydra plugin calls it as
-    soon as it is set up, so that the server's imports overlap the sweep's setup, and the job processes of a
-    packed sweep share one server."""
+    is imported by each worker, once its rank is set. The server outlives a SIGTERM sent to every process
+    of the job, so that the workers can save their steps (:mod:`distsync.launching.fork_server`).
+    :func:`launch` calls it; the Hydra plugin calls it as soon as it is set up, so that the server's imports
+    overlap the sweep's setup, and the job processes of a packed sweep share one server."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return
     libraries = sorted(
@@ -400,10 +407,18 @@ def start_fork_server() -> None:
         if "." not in name and _is_installed_library(module)
     )
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(libraries)
-    from multiprocessing import forkserver
+    context.set_forkserver_preload(["distsync.launching.fork_server", *libraries])
+    from multiprocessing import forkserver, resource_tracker
 
-    forkserver.ensure_running()
+    # A SIGTERM to every process of the job must not end the server: it starts with SIGTERM blocked (see
+    # launching/fork_server.py, which it imports first). The resource tracker, which ignores SIGTERM
+    # itself, is started first: starting it unblocks SIGTERM in this thread.
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _is_installed_library(module: Any) -> bool:

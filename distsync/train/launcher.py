@@ -19,7 +19,6 @@ import functools
 import itertools
 import logging
 import os
-import shlex
 import shutil
 import sys
 import time
@@ -36,6 +35,8 @@ from omegaconf.errors import OmegaConfBaseException
 from distsync.train.build import check_buildable, check_builtin_data
 from distsync.train.config import ConfigError, TrainConfig
 from distsync.train.resume import check_resume
+from distsync.train.resume_command import record_command
+from distsync.train.resume_command import resume_command as command_to_resume
 from distsync.train.rundir import (
     LOCK_NAME,
     RECORD_NAME,
@@ -43,6 +44,7 @@ from distsync.train.rundir import (
     RunDirLock,
     keep_hydra_record,
     restore_hydra_record,
+    slurm_step,
 )
 from distsync.train.targets import check_targets
 
@@ -150,6 +152,7 @@ def prepare_argv(argv: list[str] | None = None) -> None:
     error = _override_error(argv)
     if error:
         _refuse(error)
+    record_command()  # for the resume command of the processes this one starts (submitit's jobs, ...)
     if not under_torchrun():
         return
     if any(arg in ("-m", "--multirun") or arg.startswith("hydra.mode=") for arg in argv[1:]):
@@ -278,11 +281,16 @@ _CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 def default_run_dir() -> str:
     """The default ``hydra.run.dir``: ``outputs/<date>/<time>``, the same on every rank of a torchrun job.
 
-    Outside torchrun it is Hydra's own default. Under torchrun the first rank to ask the agent's store
+    In a SLURM job step it is ``outputs/slurm/<job id>.<step id>`` (:func:`.rundir.slurm_step`), the same
+    on every node, and again when the job is requeued, which then resumes there. Outside torchrun
+    it is Hydra's own default. Under torchrun the first rank to ask the agent's store
     decides, and the other ranks (and restarted workers) read it back; without an agent store (etcd
     rendezvous, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) it is ``outputs/torchrun/<run id>``.
     Registered as the OmegaConf resolver ``${distsync_run_dir:}``, which ``conf/config.yaml`` uses.
     """
+    step = slurm_step()
+    if step is not None:
+        return f"outputs/slurm/{step}"
     candidate = datetime.datetime.now().strftime("outputs/%Y-%m-%d/%H-%M-%S")
     if not under_torchrun():
         return candidate
@@ -326,15 +334,28 @@ def hydra_main(cfg: DictConfig) -> float:
     hydra_cfg = HydraConfig.get()
     run_dir = hydra_cfg.runtime.output_dir
     if under_torchrun():  # an external torchrun (prepare_argv refused -m there), or hydra/launcher=torchrun
-        from distsync.train.worker import run
-
-        summary = run(train_cfg, run_dir)
+        summary = _run_in_this_worker(train_cfg, run_dir)
     else:
         try:
             summary = launch(train_cfg, run_dir)
         except ConfigError as error:  # ResumeError included
             _refuse_early(str(error), error)
     return summary[train_cfg.trainer.metric]
+
+
+def _run_in_this_worker(cfg: TrainConfig, run_dir: str) -> dict:
+    """Train in this torchrun worker; rank 0 says how to resume, at the start and when stopped."""
+    from distsync.train.worker import run
+
+    resume = resume_command(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None
+    if resume:
+        _say(f"run directory {run_dir}; after an interruption, resume it with: {resume}")
+    try:
+        return run(cfg, run_dir)
+    except SystemExit:  # stopped by Ctrl-C or SIGTERM, after saving its steps
+        if resume:
+            _say(f"to resume: {resume}")
+        raise
 
 
 _BACKENDS = ("auto", "gloo", "nccl")
@@ -408,7 +429,7 @@ def launch(cfg: TrainConfig, run_dir: str) -> dict:
     except ValueError as error:
         _refuse_early(str(error), error)
     lock = _lock_for_workers(cfg, run_dir)
-    resume = resume_command(run_dir)
+    resume = resume_command(run_dir) if os.environ.get("SLURM_PROCID", "0") == "0" else None  # once a step
     if resume:
         _say(f"run directory {run_dir}; after an interruption, resume it with: {resume}")
     try:
@@ -429,23 +450,13 @@ def launch(cfg: TrainConfig, run_dir: str) -> dict:
 
 
 def resume_command(run_dir: str) -> str | None:
-    """The command that resumes this Hydra job: the same program and overrides with ``hydra.run.dir``
-    pinned to ``run_dir`` (the same command would start over in a new directory); for a job of a sweep,
-    the whole sweep with ``hydra.sweep.dir`` pinned (finished jobs add nothing, the others resume)."""
+    """The command that resumes this Hydra job (:mod:`distsync.train.resume_command`): a single run with
+    ``hydra.run.dir`` pinned to ``run_dir``; a job of a sweep: the whole sweep, ``hydra.sweep.dir`` pinned."""
     if not HydraConfig.initialized():
         return None
     hydra_cfg = HydraConfig.get()
-    program = sys.orig_argv[:2]
-    if program[-1].endswith("distsync-train"):  # the console script, run by the venv's python
-        program = ["distsync-train"]
-    if hydra_cfg.mode == RunMode.MULTIRUN:
-        pinned = ("hydra.sweep.dir", str(hydra_cfg.sweep.dir))
-        args = sys.argv[1:]  # the sweep's own command line
-    else:
-        pinned = ("hydra.run.dir", run_dir)
-        args = list(hydra_cfg.overrides.task)
-    args = [*program, *(a for a in args if not a.startswith(f"{pinned[0]}=")), "=".join(pinned)]
-    return " ".join(shlex.quote(arg) for arg in args)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    return command_to_resume(run_dir, sweep_dir=str(hydra_cfg.sweep.dir) if multirun else None)
 
 
 def _say(message: str) -> None:

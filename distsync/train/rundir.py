@@ -28,6 +28,7 @@ __all__ = [
     "held_by_launcher",
     "keep_hydra_record",
     "restore_hydra_record",
+    "slurm_step",
 ]
 
 LOCK_NAME = ".lock"
@@ -122,6 +123,21 @@ class RunDirLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def slurm_step(environ: os._Environ | dict[str, str] | None = None) -> str | None:
+    """``<job id>.<step id>`` of the SLURM job step this process runs in (``<job id>.batch`` in a batch
+    script itself; an array task's job id is ``<array job id>_<task id>``), as ``sacct`` names steps; None
+    outside a batch job or ``srun`` step (an ``salloc`` shell). The same on every node of the step, and again
+    when the job is requeued: a run directory named after it is found again by the requeued job."""
+    environ = os.environ if environ is None else environ
+    job = environ.get("SLURM_JOB_ID")
+    step = environ.get("SLURM_STEP_ID") or ("batch" if environ.get("ENVIRONMENT") == "BATCH" else None)
+    if not job or not step:
+        return None
+    if environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID"):
+        job = f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}"
+    return f"{job}.{step}"
 
 
 def keep_hydra_record(run_dir: str | os.PathLike) -> None:

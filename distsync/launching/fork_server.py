@@ -1,0 +1,32 @@
+"""What the fork server of :func:`distsync.launch` imports first: its children take SIGTERM again.
+
+A scheduler's SIGTERM reaches every process of the job (``scancel``, preemption, ``scontrol requeue``, ``kill
+-TERM -<process group>``). ``multiprocessing``'s fork server has no handler for it: it would die first, and
+with it every worker (their parent-death signal; the agent reads exit code 255 for each) before the workers
+save their steps at the next logging step. So :func:`~distsync.launching.elastic.start_fork_server` starts the
+server with SIGTERM blocked, which leaves it to end, as always, with the process that started it (its lifeline
+pipe). Importing this module in the server (a preload) keeps it blocked there and makes every process forked
+from it unblock SIGTERM before it runs anything: the workers stop on SIGTERM as they would anywhere else.
+
+Nothing else imports this module: in another process it would unblock SIGTERM in that process's
+``multiprocessing`` children, which is that process's business.
+"""
+
+from __future__ import annotations
+
+import signal
+from multiprocessing import util
+
+__all__: list[str] = []
+
+
+class _Unblock:
+    """The after-fork hook (``multiprocessing`` keeps it in a weak registry: this module holds it)."""
+
+    def __call__(self) -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # the server: as it was started, and stays
+_hook = _Unblock()
+util.register_after_fork(_hook, _Unblock.__call__)

@@ -1,0 +1,85 @@
+"""A scheduler's SIGTERM reaches every process of a job at once, not just the launcher: the steps are kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from launching import SCRIPT, job_env, run_job, summary
+
+from distsync.testing import timeout_scale
+
+# Tiny and quick: a synthetic batch of a two-block CNN, no periodic checkpoint or evaluation to hide behind
+JOB = [
+    "data=synthetic",
+    "model.channels=[8,8]",
+    "trainer.max_steps=300",
+    "trainer.log_every=5",
+    "trainer.eval_every=1000",
+    "trainer.checkpoint_every=1000",
+    "trainer.monitor_interval=0.2",
+]
+
+
+def train_rows(run_dir: Path) -> list[int]:
+    """The steps of the training rows of ``metrics.jsonl`` (none before it exists)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [row["step"] for row in rows if row["kind"] == "train"]
+
+
+def running_in_group(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` that still run (zombies left to this subreaper do not)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            state, _, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError, IndexError):
+            continue
+        if int(group) == pgid and state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_to_every_process_of_the_job_keeps_the_steps_and_resumes_exactly(tmp_path):
+    """``kill -TERM -<group>``, as a scheduler signals a job: the fork server and the other helpers outlive
+    it, every rank saves at the next logging step, the launcher waits for that and exits 143, nothing of the
+    job is left running, and the run directory then finishes with the numbers of a run never interrupted."""
+    straight, run_dir = tmp_path / "straight", tmp_path / "run"
+    assert run_job([sys.executable, str(SCRIPT), f"hydra.run.dir={straight}", *JOB], tmp_path).returncode == 0
+    args = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", *JOB]
+    with (tmp_path / "err").open("w") as err:
+        proc = subprocess.Popen(
+            args, cwd=tmp_path, env=job_env(), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+        )
+        deadline = time.monotonic() + 120 * timeout_scale()
+        while len(train_rows(run_dir)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        logged_before = train_rows(run_dir)[-1]
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher, its fork server, its workers: all at once
+        code = proc.wait(timeout=45 * timeout_scale())  # within SLURM's KillWait (30 s) on an idle machine
+    stderr = (tmp_path / "err").read_text()
+    assert code == 128 + signal.SIGTERM, stderr[-3000:]
+    (saved,) = (run_dir / "checkpoints").glob("step_*.pt")
+    step = int(saved.stem.removeprefix("step_"))
+    assert step % 5 == 0 and logged_before <= step < 300  # the next logging step after the signal
+    assert train_rows(run_dir)[-1] == step  # no logged step lost
+    assert f"stopped by SIGTERM at step {step}" in (run_dir / "logs" / "rank1.log").read_text()
+    deadline = time.monotonic() + 10 * timeout_scale()
+    while running_in_group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running_in_group(proc.pid), "a process of the job outlived it"
+    assert run_job(args, tmp_path).returncode == 0
+    resumed, reference = summary(run_dir), summary(straight)
+    assert resumed["resumed_from_step"] == step and resumed["steps"] == 300
+    for key in ("final_loss", "accuracy", "eval_loss"):
+        assert resumed[key] == reference[key], key

@@ -1,0 +1,292 @@
+"""The packaged job on a real SLURM cluster of two nodes on this machine (tests/slurm_cluster.py), submitted
+as a user submits it: the job script of docs/training.md (examples/slurm/train.sbatch), Hydra's submitit
+launcher, ``scontrol requeue``, ``scancel``, the time limit's ``--signal``. Each job is tiny (a two-block CNN
+on synthetic data, one gloo worker per node) so the whole file takes a few minutes on two cores."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from launching import ROOT, SCRIPT, job_env, summary
+from slurm_cluster import SlurmCluster
+
+from distsync.launching.rendezvous import slurm_port
+from distsync.testing import timeout_scale
+
+pytestmark = pytest.mark.slow
+
+JOB_SCRIPT = ROOT / "examples" / "slurm" / "train.sbatch"
+APP_SCRIPT = ROOT / "examples" / "slurm" / "app.sbatch"
+TINY = [
+    "data=synthetic",
+    "model.channels=[8,8]",
+    "trainer.max_steps=200",
+    "trainer.log_every=5",
+    "trainer.eval_every=1000",
+    "trainer.checkpoint_every=1000",
+    "trainer.monitor_interval=0.2",
+]
+SMALL = ["--cpus-per-task=1"]  # the script asks for 4 cores per node: two jobs at once share these nodes
+
+
+def user_env(cluster: SlurmCluster) -> dict[str, str]:
+    """A user's shell on the login node: this venv's python first on PATH, the cluster's SLURM_CONF."""
+    env = {**job_env(), "SLURM_CONF": cluster.env["SLURM_CONF"]}
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), cluster.env["PATH"]])
+    return env
+
+
+def submit(
+    cluster: SlurmCluster,
+    cwd: Path,
+    *args: str,
+    options: tuple[str, ...] = tuple(SMALL),
+    script: Path = JOB_SCRIPT,
+) -> str:
+    """``sbatch [options] examples/slurm/train.sbatch args...`` from ``cwd``; the job id."""
+    proc = subprocess.run(
+        ["sbatch", "--parsable", *options, str(script), *args],
+        cwd=cwd,
+        env=user_env(cluster),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def output(cwd: Path, job_id: str) -> str:
+    path = cwd / f"distsync-train-{job_id}.out"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def train_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    return [row["step"] for row in rows if row["kind"] == "train"]
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout * timeout_scale()
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.2)
+
+
+def processes_of(job_id: str) -> list[str]:
+    """Command lines of the processes that run for ``job_id`` (SLURM puts SLURM_JOB_ID in each one's
+    environment, which every process it starts inherits: the agents, the fork servers, the workers)."""
+    found = []
+    marker = f"\0SLURM_JOB_ID={job_id}\0".encode()
+    for entry in Path("/proc").iterdir():
+        try:
+            environ = b"\0" + (entry / "environ").read_bytes()
+            if marker in environ:
+                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            continue
+    return found
+
+
+def start_requeued_now(cluster: SlurmCluster, job_id: str) -> None:
+    """Once the requeued job waits for its begin time (SLURM holds a requeued job for 2 minutes), start it
+    now, as an administrator may."""
+    wait_until(lambda: cluster.job(job_id).get("Reason") == "BeginTime", 90, "the job is not requeued")
+    cluster.scontrol("update", f"JobId={job_id}", "StartTime=now")
+
+
+def resume_line(text: str) -> str:
+    (line,) = [line for line in text.splitlines() if "after an interruption, resume it with: " in line]
+    return line.split("after an interruption, resume it with: ", 1)[1]
+
+
+def same_result(run_dir: Path, reference: Path) -> None:
+    resumed, straight = summary(run_dir), summary(reference)
+    assert resumed["steps"] == straight["steps"]
+    for key in ("final_loss", "accuracy", "eval_loss"):
+        assert resumed[key] == straight[key], key  # bit-identical, not close
+
+
+@pytest.fixture(autouse=True)
+def no_job_outlives_its_test(slurm_cluster):
+    """A test that failed half-way leaves no job running into the next one."""
+    yield
+    if slurm_cluster.run("squeue", "--noheader", "--format=%i", check=False).stdout.strip():
+        slurm_cluster.run("scancel", "--partition=debug", check=False)
+    wait_until(lambda: not slurm_cluster.job_processes(), 60, "the jobs' processes outlive scancel")
+
+
+@pytest.fixture(scope="module")
+def straight(slurm_cluster, tmp_path_factory) -> Path:
+    """The run directory of the job script run once without interruption (TINY)."""
+    cwd = tmp_path_factory.mktemp("straight")
+    job_id = submit(slurm_cluster, cwd, *TINY)
+    fields = slurm_cluster.wait_for(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=240)
+    assert fields["JobState"] == "COMPLETED", output(cwd, job_id)[-4000:]
+    return cwd / "outputs" / "slurm" / f"{job_id}.0"
+
+
+def test_the_docs_job_script_runs_one_world_over_two_nodes(slurm_cluster, straight):
+    """examples/slurm/train.sbatch, as docs/training.md prints it: srun starts one agent per node, the agents
+    meet on the first node at the job's own port, one world of 2 ranks trains in outputs/slurm/<job>.0."""
+    job_id = straight.name.split(".")[0]
+    s = summary(straight)
+    assert s["world_size"] == 2 and s["steps"] == 200 and s["bn_buffers_in_sync"] is True
+    log = output(straight.parents[2], job_id)
+    assert log.count(f"waiting for 2 node(s) at 127.0.0.1:{slurm_port(job_id)} (rendezvous {job_id})") == 2
+    # The resume command is srun with the step's shape: it runs as it is from a login node
+    resume = resume_line(log)  # said once, by the first node
+    srun = "srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=1 --partition=debug"
+    assert resume.startswith(f"{srun} {sys.executable} -m distsync.train trainer.nnodes=2 ")
+    assert resume.endswith(f" hydra.run.dir={straight}")
+    docs = (ROOT / "docs" / "training.md").read_text()
+    assert JOB_SCRIPT.read_text() in docs  # the docs show the script that is tested here
+
+
+def test_requeue_mid_training_resumes_to_the_same_bits(slurm_cluster, straight, tmp_path):
+    """``scontrol requeue``: SLURM sends SIGTERM to every process of the job; every rank saves at its next
+    logging step; the requeued job (same id, same run directory, nothing pinned) resumes there and ends
+    bit-identical to the run never interrupted."""
+    job_id = submit(slurm_cluster, tmp_path, *TINY)
+    run_dir = tmp_path / "outputs" / "slurm" / f"{job_id}.0"
+    wait_until(lambda: len(train_steps(run_dir)) >= 3, 120, "no training")
+    reached = train_steps(run_dir)[-1]
+    slurm_cluster.scontrol("requeue", job_id)
+    slurm_cluster.wait_for(job_id, ("PENDING",), timeout=60)
+    saved = [int(p.stem.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*.pt")]
+    assert saved and min(saved) >= reached, output(tmp_path, job_id)[-3000:]  # no logged step lost
+    start_requeued_now(slurm_cluster, job_id)
+    fields = slurm_cluster.wait_for(job_id, ("COMPLETED", "FAILED", "CANCELLED"), timeout=240)
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", output(tmp_path, job_id)[-4000:]
+    assert summary(run_dir)["resumed_from_step"] == min(saved)
+    same_result(run_dir, straight)
+
+
+def test_scancel_leaves_no_process_and_the_printed_command_resumes(slurm_cluster, straight, tmp_path):
+    """``scancel``: every process of the job has ended a few seconds later (by itself, after saving: no
+    SIGKILL after KillWait), and the command the job printed, run from the login node, resumes the run to
+    the same bits."""
+    job_id = submit(slurm_cluster, tmp_path, *TINY)
+    run_dir = tmp_path / "outputs" / "slurm" / f"{job_id}.0"
+    wait_until(lambda: len(train_steps(run_dir)) >= 3, 120, "no training")
+    assert processes_of(job_id)
+    cancelled = time.monotonic()
+    slurm_cluster.run("scancel", job_id)
+    wait_until(lambda: not processes_of(job_id), 20, f"still running: {processes_of(job_id)}")
+    gone_after = time.monotonic() - cancelled
+    assert gone_after < 25, gone_after  # before SLURM's KillWait (30 s) would SIGKILL them
+    slurm_cluster.wait_for(job_id, ("CANCELLED",), timeout=60)
+    (saved,) = (run_dir / "checkpoints").glob("step_*.pt")
+    assert train_steps(run_dir)[-1] == int(saved.stem.removeprefix("step_"))
+    resume = shlex.split(resume_line(output(tmp_path, job_id)))
+    proc = subprocess.run(
+        resume, cwd=tmp_path, env=user_env(slurm_cluster), capture_output=True, text=True,
+        timeout=240 * timeout_scale(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert summary(run_dir)["resumed_from_step"] == int(saved.stem.removeprefix("step_"))
+    same_result(run_dir, straight)
+
+
+def test_two_jobs_sharing_their_first_node_meet_apart(slurm_cluster, tmp_path):
+    """Two 2-node jobs on the same nodes, the second submitted while the first trains and run whole while the
+    first still trains: each meets in a store of its own (a port of its own job id) and finishes as a world
+    of its own."""
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir(), second_dir.mkdir()
+    first = submit(slurm_cluster, first_dir, *TINY, "trainer.max_steps=2000")
+    first_run = first_dir / "outputs" / "slurm" / f"{first}.0"
+    wait_until(lambda: len(train_steps(first_run)) >= 2, 120, "the first job does not train")
+    second = submit(slurm_cluster, second_dir, *TINY)
+    second_run = second_dir / "outputs" / "slurm" / f"{second}.0"
+    ends = {second: slurm_cluster.wait_for(second, ("COMPLETED", "FAILED", "CANCELLED"), 240)}
+    assert slurm_cluster.job(first)["JobState"] == "RUNNING"  # the second job ran while the first trained
+    ends[first] = slurm_cluster.wait_for(first, ("COMPLETED", "FAILED", "CANCELLED"), 240)
+    for job, cwd, run in ((first, first_dir, first_run), (second, second_dir, second_run)):
+        assert ends[job]["JobState"] == "COMPLETED", output(cwd, job)[-4000:]
+        assert ends[job]["NodeList"] == "n[1-2]"
+        assert summary(run)["world_size"] == 2 and summary(run)["restarts"] == 0
+        assert f"at 127.0.0.1:{slurm_port(job)} (rendezvous {job})" in output(cwd, job)
+    assert summary(first_run)["steps"] == 2000 and summary(second_run)["steps"] == 200
+
+
+def test_a_two_job_sweep_through_hydras_submitit_launcher(slurm_cluster, tmp_path):
+    """``hydra/launcher=submitit_slurm`` with ``nodes=2``: each job of the sweep is a SLURM job of two nodes,
+    one world of its own; the resume command each prints is the sweep's own command, sweep dir pinned."""
+    sweep = tmp_path / "sweep"
+    command = [
+        sys.executable, str(SCRIPT), "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2",
+        "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
+        "trainer.nnodes=2", "trainer.nproc_per_node=1", "optim.lr=0.1,0.05", *TINY,
+        f"hydra.sweep.dir={sweep}",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command, cwd=tmp_path, env=user_env(slurm_cluster), capture_output=True, text=True,
+        timeout=400 * timeout_scale(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for job in ("0", "1"):
+        s = summary(sweep / job)
+        assert s["world_size"] == 2 and s["steps"] == 200 and s["restarts"] == 0
+    assert summary(sweep / "0")["final_loss"] != summary(sweep / "1")["final_loss"]  # two runs, not one
+    logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.err"))
+    printed = {
+        line.split("resume it with: ", 1)[1] for line in logs.splitlines() if "resume it with: " in line
+    }
+    assert printed == {shlex.join([*command[:-1], f"hydra.sweep.dir={sweep}"])}
+    ports = set(re.findall(r"waiting for 2 node\(s\) at 127\.0\.0\.1:(\d+)", logs))
+    assert len(ports) == 2  # each job at its own port
+
+
+def test_signal_before_the_time_limit_saves_and_the_script_requeues_itself(slurm_cluster, tmp_path):
+    """``#SBATCH --signal=TERM@...`` (here ``--time=2 --signal=TERM@30``): SLURM sends SIGTERM to the job's
+    steps ahead of the time limit; every rank saves, the script sees 143 and requeues the job, which resumes
+    where it saved."""
+    job_id = submit(
+        slurm_cluster, tmp_path, *TINY, "trainer.max_steps=1000000",
+        options=(*SMALL, "--time=2", "--signal=TERM@30"),
+    )  # fmt: skip
+    run_dir = tmp_path / "outputs" / "slurm" / f"{job_id}.0"
+    # SLURM checks time limits every 30 s: the signal comes 60 to 90 s after the start
+    wait_until(lambda: slurm_cluster.job(job_id).get("Restarts") == "1", 150, "the job was not requeued")
+    log = output(tmp_path, job_id)
+    assert "stopped by SIGTERM at step" in log, log[-3000:]
+    step = max(int(p.stem.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*.pt"))
+    assert train_steps(run_dir)[-1] == step, log[-3000:]  # saved at the step it stopped, none lost
+    start_requeued_now(slurm_cluster, job_id)
+    rank0 = run_dir / "logs" / "rank0.log"
+    wait_until(lambda: "resumed from" in rank0.read_text(), 120, "the requeued job did not resume")
+    assert f"step {step}" in [line for line in rank0.read_text().splitlines() if "resumed from" in line][-1]
+    slurm_cluster.run("scancel", job_id)
+    slurm_cluster.wait_for(job_id, ("CANCELLED",), timeout=60)
+
+
+def test_the_docs_app_script_runs_a_sweep_of_two_node_worlds(slurm_cluster, tmp_path):
+    """examples/slurm/app.sbatch, as docs/your_app.md prints it, with the example app: each job of the sweep
+    is one world of both nodes, the jobs one after the other in the allocation, each meeting anew."""
+    app = tmp_path / "app"
+    shutil.copytree(
+        ROOT / "examples" / "hydra_app", app, ignore=shutil.ignore_patterns("outputs", "multirun")
+    )
+    job_id = submit(slurm_cluster, app, "steps=10", "lr=0.05,0.2", script=APP_SCRIPT)
+    fields = slurm_cluster.wait_for(job_id, ("COMPLETED", "FAILED", "CANCELLED"), timeout=300)
+    log = (app / f"hydra-app-{job_id}.out").read_text(errors="replace")
+    assert fields["JobState"] == "COMPLETED", log[-4000:]
+    sweep = app / "outputs" / "slurm" / job_id
+    for job, lr in (("0", 0.05), ("1", 0.2)):
+        records = [json.loads((sweep / job / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+        assert [r["world_size"] for r in records] == [2, 2] and records[0]["config"]["lr"] == lr
+    assert (ROOT / "examples" / "slurm" / "app.sbatch").read_text() in (
+        ROOT / "docs" / "your_app.md"
+    ).read_text()
