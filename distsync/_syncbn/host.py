@@ -95,12 +95,13 @@ def local(
         sums, squares = _sums.moment_sums(z, scratch)
         s1, s2 = as_numpy(sums).astype(np.float64), as_numpy(squares).astype(np.float64)
         mean = s1 / count
-        if replaying or not np.any(mean * mean > s2 / count - mean * mean):  # NaN compares False
+        if replaying or not (2 * mean * mean > s2 / count).any():  # mean^2 > var; NaN compares False
             break
         center = (mean if center is None else center + mean).astype(dtype)  # again, around this mean
     if not replaying:  # the next call's center: this rank's mean, 0 where it is not finite
         moved = (mean if center is None else center + mean).astype(dtype)
-        scratch[("center", input.dtype)] = np.nan_to_num(moved, nan=0.0, posinf=0.0, neginf=0.0)
+        moved[~np.isfinite(moved)] = 0.0
+        scratch[("center", input.dtype)] = moved
     used = None if center is None else center.astype(np.float64)
     return HostLocal(z, used, s1, s2)
 

@@ -190,7 +190,10 @@ class Verdict(NamedTuple):
 def verdict(tail: list[float], world_size: int) -> Verdict:
     """What the reduced ``tail`` says about its call (host values, identical on every rank)."""
     ident, squares = tail[IDENTITY], tail[SQUARES]
-    if all(s * s == world_size * sq for s, sq in zip(ident, squares, strict=True)):
+    for s, sq in zip(ident, squares):  # noqa: B905 - both slices have _FIELDS values
+        if s * s != world_size * sq:
+            break
+    else:
         return Verdict(int(tail[COUNT]), int(tail[FAILED]), ())
     names = {DIRECTION: "direction", CALL: "call count"}
     disagreeing = tuple(
