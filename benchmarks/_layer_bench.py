@@ -150,7 +150,7 @@ def bench_layers(
 
 
 def allreduce_latency(channels: int, calls: int = 400) -> dict:
-    """Quantiles of one all_reduce of a float64 sync payload (3C+15, size class), back to back on idle ranks.
+    """Quantiles of one all_reduce of a float64 sync payload (2C+15, size class), back to back on idle ranks.
 
     The slowest rank's time per call. Set against the floor's cost per all_reduce inside a training step,
     it shows how much of that cost is the transport itself.

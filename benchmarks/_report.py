@@ -114,7 +114,7 @@ def _model_table(model: dict, torch_syncbn: str | None, latency: dict) -> list[s
         f"{coll['bn_layers']} layers; {coll['gloo_all_reduces_per_step']} gloo all_reduces incl. DDP) "
         f"| 2 | {'ok' if coll['per_layer'] == 2 else 'MISSED'} |",
         f"| BN payload bytes per all_reduce | {', '.join(map(str, coll['payload_bytes']))} "
-        f"(= (3C+15) x 8 bytes in a power-of-two size class, >= 2 KiB; C={32}) | O(C) | ok |",
+        f"(= (2C+15) x 8 bytes in a power-of-two size class, >= 2 KiB; C={32}) | O(C) | ok |",
         f"| BN on a dedicated group: step {med['sync_group'] * 1e3:.2f} ms | {group:.3f}x the default group "
         f"(quartiles {low:.3f}-{high:.3f}) | keep only if < 1 | {group_verdict} |",
         f"| nn.SyncBatchNorm DDP step | {peer} | | |",
@@ -131,7 +131,7 @@ def table(results: dict) -> str:
         f"{meta['load_avg_1m'][0]} / {meta['load_avg_1m'][1]}",
         "",
         "Layer: one BN forward+backward; floor = native nn.BatchNorm2d fwd+bwd + 2 all_reduces of the "
-        "payload (3C+15 f64, size class)",
+        "payload (2C+15 f64, size class)",
         *_layer_table(results["layers"]),
         "",
         "Model: DDP training step, 7 conv-BN-ReLU blocks, C=32, 32x32, batch 16 per rank",

@@ -3,7 +3,7 @@
     python benchmarks/scaling_model.py      # prints the Markdown tables used in docs/performance.md
 
 Alpha-beta model: a message of ``n`` bytes costs ``alpha + n * beta``. Per layer and step, distsync does 2
-all-reduces of ``payload_size(C) * 8`` bytes (float64 moments + 15 tail fields, ``3C + 15`` rounded up to a
+all-reduces of ``payload_size(C) * 8`` bytes (float64 moments + 15 tail fields, ``2C + 15`` rounded up to a
 power of two, at least 256), forward and backward. nn.SyncBatchNorm all-gathers ``(2C + 1)`` float32 per rank
 forward (mean, invstd, count), so ``W * (2C + 1) * 4`` bytes land on every rank, and all-reduces ``2C``
 float32 backward.

@@ -133,9 +133,10 @@ def _host_forward(ctx, input: Tensor, weight, bias, call: SyncCall) -> Tensor:
         rows = checkpointed.replay(state, input).rows.numpy()
         merged = _host.Merged(rows[0], rows[1], rows[2], float(rows[3, 0]))
         center = None if np.isnan(rows[4, 0]) else rows[4].astype(_host.np_dtype(input.dtype))
-        part = None if count == 0 else _host.local(input, count, state.scratch, replay=(center,))
+        part = None if count == 0 else _host.local(input, count, state.scratch, center)
     else:
-        part = None if problem is not None or count == 0 else _host.local(input, count, state.scratch)
+        near = call.running_mean  # restored alike on every rank from a checkpoint: a resumed run repeats
+        part = None if problem is not None or count == 0 else _host.local(input, count, state.scratch, near)
         merged = _host_reduce(input, part, count, call)
         if checkpointed.logging:
             center = np.full_like(merged.mean, np.nan) if part is None or part.center is None else part.center

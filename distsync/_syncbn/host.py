@@ -66,17 +66,17 @@ def as_numpy(tensor: Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def local(
-    input: Tensor, count: int, scratch: dict, replay: tuple[np.ndarray | None] | None = None
-) -> HostLocal:
-    """The pass that reads the input for its statistics: ``count`` values per channel, around this rank's
-    local mean of the previous call (a recomputation, ``replay``: around the original call's center).
+def local(input: Tensor, count: int, scratch: dict, near: Tensor | np.ndarray | None) -> HostLocal:
+    """The pass that reads the input for its statistics: ``count`` values per channel, around the center
+    ``near`` (the running mean the call updates, a state every rank restores from a checkpoint alike; a
+    recomputation's: the original call's center; None: around zero).
 
     The nearer the center is to the mean, the fewer digits the sums and the normalization of the shifted
-    input lose (none worth counting within a standard deviation). Where the previous call's mean is further
-    than that from this one's (the first call, a jump in the data), the pass is made again around this
+    input lose (none worth counting within a standard deviation). Where the center is further than that from
+    this call's mean (a new model's first calls, a jump in the data), the pass is made again around this
     call's own mean, on this rank alone: the center only has to be near this rank's values, every rank's
-    payload is in the coordinates of the shared shift whatever its center.
+    payload is in the coordinates of the shared shift whatever its center. A recomputation (``near`` a host
+    array) is never made again: it repeats its original's pass exactly.
     """
     if input.dtype in _HALF:
         # Mean and biased variance straight from the half input, without a float32 copy of it. The kernel's
@@ -87,9 +87,14 @@ def local(
         mean, var = torch.batch_norm_update_stats(input, stats[0], stats[1], 0.0)
         m, v = mean.numpy().astype(np.float64), var.numpy().astype(np.float64)
         return HostLocal(input, None, m * count, (v + m * m) * count)
-    replaying = replay is not None
-    center = replay[0] if replaying else scratch.get(("center", input.dtype))
+    replaying = isinstance(near, np.ndarray)
     dtype = np_dtype(input.dtype)  # a center in the input's dtype, subtracted exactly as given
+    center = None
+    if isinstance(near, Tensor):
+        center = near.detach().to(input.dtype, copy=True).numpy()  # a copy: never a view of a buffer
+        center[~np.isfinite(center)] = 0.0
+    elif replaying:
+        center = near
     while True:
         z = input if center is None else input - per_channel(torch.from_numpy(center), input.dim())
         sums, squares = _sums.moment_sums(z, scratch)
@@ -97,13 +102,10 @@ def local(
         mean = s1 / count
         if replaying or not (2 * mean * mean > s2 / count).any():  # mean^2 > var; NaN compares False
             break
-        center = (mean if center is None else center + mean).astype(dtype)  # again, around this mean
-    if not replaying:  # the next call's center: this rank's mean, 0 where it is not finite
-        moved = (mean if center is None else center + mean).astype(dtype)
+        moved = mean if center is None else center + mean
         moved[~np.isfinite(moved)] = 0.0
-        scratch[("center", input.dtype)] = moved
-    used = None if center is None else center.astype(np.float64)
-    return HostLocal(z, used, s1, s2)
+        center = moved.astype(dtype)  # again, around this mean
+    return HostLocal(z, None if center is None else center.astype(np.float64), s1, s2)
 
 
 def pack(
