@@ -126,22 +126,17 @@ class SyncBatchNormFunction(torch.autograd.Function):
 def _host_forward(ctx, input: Tensor, weight, bias, call: SyncCall) -> Tensor:
     state, problem = call.state, call.problem
     count = 0 if problem is not None else input.numel() // call.channels
-    # Recomputed by activation checkpointing: the original call's statistics and center, no all-reduce, no
-    # update of anything.
+    # Recomputed by activation checkpointing: the original call's statistics, no all-reduce, no update.
     checkpointed = _checkpointing.regions() if problem is None else _checkpointing.OUTSIDE
+    part = None if problem is not None or count == 0 else _host.local(input, count, state.scratch)
     if checkpointed.replaying is not None:
         rows = checkpointed.replay(state, input).rows.numpy()
         merged = _host.Merged(rows[0], rows[1], rows[2], float(rows[3, 0]))
-        center = None if np.isnan(rows[4, 0]) else rows[4].astype(_host.np_dtype(input.dtype))
-        part = None if count == 0 else _host.local(input, count, state.scratch, center)
     else:
-        near = call.running_mean  # restored alike on every rank from a checkpoint: a resumed run repeats
-        part = None if problem is not None or count == 0 else _host.local(input, count, state.scratch, near)
         merged = _host_reduce(input, part, count, call)
         if checkpointed.logging:
-            center = np.full_like(merged.mean, np.nan) if part is None or part.center is None else part.center
             counts = np.full_like(merged.mean, merged.count)
-            rows = torch.from_numpy(np.stack([merged.mean, merged.var, merged.unbiased, counts, center]))
+            rows = torch.from_numpy(np.stack([merged.mean, merged.var, merged.unbiased, counts]))
             checkpointed.log(state, input, _moments.Stats(rows, rows[3, :1]))
         if call.running_mean is not None and call.running_var is not None:
             _host_running_stats(call, merged)

@@ -7,7 +7,7 @@ same work as torch ops is a few dozen dispatches. The tensors the caller can see
 the running statistics, ``num_batches_tracked``) are still made and updated by torch ops, so autograd's
 version counters and tensor subclasses see what they would see with ``nn.BatchNorm``.
 
-The numerics: the input shifted by a per-channel center near this rank's mean (so that a mean far from zero
+The numerics: the input shifted by a per-channel center near the batch's mean (so that a mean far from zero
 costs the sums and the normalization nothing), sums accurate to float32's rounding or better
 (``_syncbn.sums``), and a float64 merge. The payload's layout and the tail are those of
 :mod:`distsync._syncbn.moments` and :mod:`distsync._syncbn.identity`.
@@ -24,7 +24,7 @@ from torch import Tensor
 from distsync._syncbn import moments as _moments
 from distsync._syncbn import sums as _sums
 from distsync._syncbn.identity import COUNT, FAILED, GUARD, TAIL, CallTag, payload_size
-from distsync._syncbn.kernels import per_channel
+from distsync._syncbn.kernels import origin, per_channel
 
 __all__ = [
     "Coefficients",
@@ -66,18 +66,10 @@ def as_numpy(tensor: Tensor) -> np.ndarray:
     return tensor.numpy()
 
 
-def local(input: Tensor, count: int, scratch: dict, near: Tensor | np.ndarray | None) -> HostLocal:
-    """The pass that reads the input for its statistics: ``count`` values per channel, around the center
-    ``near`` (the running mean the call updates, a state every rank restores from a checkpoint alike; a
-    recomputation's: the original call's center; None: around zero).
-
-    The nearer the center is to the mean, the fewer digits the sums and the normalization of the shifted
-    input lose (none worth counting within a standard deviation). Where the center is further than that from
-    this call's mean (a new model's first calls, a jump in the data), the pass is made again around this
-    call's own mean, on this rank alone: the center only has to be near this rank's values, every rank's
-    payload is in the coordinates of the shared shift whatever its center. A recomputation (``near`` a host
-    array) is never made again: it repeats its original's pass exactly.
-    """
+def local(input: Tensor, count: int, scratch: dict) -> HostLocal:
+    """The pass that reads the input for its statistics: ``count`` values per channel, around a per-channel
+    center near this batch's mean (``kernels.origin``: a function of the batch alone, so the output depends
+    on nothing else, bit for bit, and a recomputation repeats it exactly)."""
     if input.dtype in _HALF:
         # Mean and biased variance straight from the half input, without a float32 copy of it. The kernel's
         # parameter type is that of the running buffers (the input's without them: half statistics, whose
@@ -87,25 +79,13 @@ def local(input: Tensor, count: int, scratch: dict, near: Tensor | np.ndarray | 
         mean, var = torch.batch_norm_update_stats(input, stats[0], stats[1], 0.0)
         m, v = mean.numpy().astype(np.float64), var.numpy().astype(np.float64)
         return HostLocal(input, None, m * count, (v + m * m) * count)
-    replaying = isinstance(near, np.ndarray)
-    dtype = np_dtype(input.dtype)  # a center in the input's dtype, subtracted exactly as given
-    center = None
-    if isinstance(near, Tensor):
-        center = near.detach().to(input.dtype, copy=True).numpy()  # a copy: never a view of a buffer
-        center[~np.isfinite(center)] = 0.0
-    elif replaying:
-        center = near
-    while True:
-        z = input if center is None else input - per_channel(torch.from_numpy(center), input.dim())
-        sums, squares = _sums.moment_sums(z, scratch)
-        s1, s2 = as_numpy(sums).astype(np.float64), as_numpy(squares).astype(np.float64)
-        mean = s1 / count
-        if replaying or not (2 * mean * mean > s2 / count).any():  # mean^2 > var; NaN compares False
-            break
-        moved = mean if center is None else center + mean
-        moved[~np.isfinite(moved)] = 0.0
-        center = moved.astype(dtype)  # again, around this mean
-    return HostLocal(z, None if center is None else center.astype(np.float64), s1, s2)
+    # Shifted near the mean, the sums and the normalization keep the input's precision however far the mean
+    # is from zero.
+    center = origin(input)
+    z = input - per_channel(center, input.dim())
+    sums, squares = _sums.moment_sums(z, scratch)
+    return HostLocal(z, center.numpy().astype(np.float64), as_numpy(sums).astype(np.float64),
+                     as_numpy(squares).astype(np.float64))  # fmt: skip
 
 
 def pack(
