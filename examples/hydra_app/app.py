@@ -5,8 +5,9 @@
     python app.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=2 lr=0.05,0.2  # by the plugin
     python app.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=1 hydra.launcher.n_jobs=2 \
         lr=0.05,0.1,0.2,0.4                           # two jobs at a time, each on its own cores (or GPUs)
-    python app.py -m hydra/sweeper=distsync_optuna hydra.sweeper.n_trials=20 hydra.sweeper.direction=maximize \
-        'lr=tag(log,interval(0.01,1))' hydra/launcher=torchrun hydra.launcher.n_jobs=2 hydra/sweeper/pruner=median
+    python app.py -m hydra/sweeper=distsync_optuna hydra.sweeper.direction=maximize \
+        hydra.sweeper.n_trials=20 'lr=tag(log,interval(0.01,1))' hydra/launcher=torchrun \
+        hydra.launcher.n_jobs=2 hydra/sweeper/pruner=median
                                                       # Optuna maximizes what rank 0 returns; losers pruned
 
 Each rank trains a small MLP with synchronized batch norm on its shard of a synthetic data set, under DDP.
