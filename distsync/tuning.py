@@ -8,7 +8,9 @@ study's pruner (on rank 0) and gives every rank of the world its answer, so all 
 Outside such a sweep both do nothing (``should_prune()`` is False), so a task can call them always.
 
 A pruned trial's rank 0 records the step in the trial (a user attribute); the sweeper then tells the study
-the trial was pruned, whatever the task returned after stopping.
+the trial was pruned, whatever the task returned after stopping. :func:`report_result` records the trial's
+final value the same way, as soon as it is known (``distsync.launch`` does it with rank 0's return value),
+so that a sweep killed before its world ended still counts the trial as finished when it resumes.
 """
 
 from __future__ import annotations
@@ -22,32 +24,35 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["report", "should_prune"]
+__all__ = ["report", "report_result", "should_prune"]
 
 STORAGE, STUDY, TRIAL = "DISTSYNC_OPTUNA_STORAGE", "DISTSYNC_OPTUNA_STUDY", "DISTSYNC_OPTUNA_TRIAL"
 PRUNER = "DISTSYNC_OPTUNA_PRUNER"  # the study's pruner: JSON of its class path and arguments
 PRUNED_AT = "distsync_pruned_at"  # user attribute: the step at which the trial was pruned
+RESULT = "distsync_result"  # user attribute: the trial's final value(s), as a list of floats
 
 _last_step: list[int | None] = [None]
 
 
 def report(step: int, value: float) -> None:
     """Report ``value`` at ``step`` (an epoch, an evaluation) to the trial's study, from rank 0; a no-op
-    outside a ``distsync_optuna`` sweep and on the other ranks. Call it on every rank alike."""
+    outside a ``distsync_optuna`` sweep, on the other ranks, and in a study of several objectives (which
+    Optuna does not prune). Call it on every rank alike."""
     _last_step[0] = int(step)
     trial = _trial()
-    if trial is not None and _rank() == 0:
+    if trial is not None and _rank() == 0 and _prunable(trial):
         trial.report(float(value), int(step))
 
 
 def should_prune() -> bool:
     """Whether the study's pruner stops this trial now, the same answer on every rank of the world (decided
     on rank 0 from the values :func:`report` sent; one all-reduce of the default group when it has several
-    ranks). False outside a ``distsync_optuna`` sweep. Call it on every rank alike, after :func:`report`."""
+    ranks). False outside a ``distsync_optuna`` sweep and in a study of several objectives. Call it on every
+    rank alike, after :func:`report`."""
     trial = _trial()
     if trial is None:
         return False
-    prune = bool(trial.should_prune()) if _rank() == 0 else False
+    prune = bool(trial.should_prune()) if _rank() == 0 and _prunable(trial) else False
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
         flag = torch.tensor([float(prune)], device=device)
@@ -56,6 +61,28 @@ def should_prune() -> bool:
     if prune and _rank() == 0:
         trial.set_user_attr(PRUNED_AT, _last_step[0])
     return prune
+
+
+def report_result(value: Any) -> None:
+    """Record ``value``, this trial's final value (a float, or a list of them for several objectives), in
+    the trial, from rank 0; a no-op outside a ``distsync_optuna`` sweep, on the other ranks, and for a value
+    that is not float-castable. The sweeper tells the study the value its job returns; this record counts
+    only when the sweep was killed before it could: resumed, it tells the trial finished with it.
+    :func:`distsync.launch` calls it with rank 0's return value; call it yourself where the value is known
+    well before the task returns (a long teardown after it)."""
+    trial = _trial()
+    if trial is None or _rank() != 0:
+        return
+    try:
+        values = [float(v) for v in (value if isinstance(value, list | tuple) else [value])]
+    except (TypeError, ValueError):
+        return  # the sweeper says what is wrong with it when the job returns it
+    trial.set_user_attr(RESULT, values)
+
+
+def _prunable(trial: Any) -> bool:
+    """Optuna reports intermediate values and prunes in studies of one objective only."""
+    return len(trial.study.directions) == 1
 
 
 def _rank() -> int:

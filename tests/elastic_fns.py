@@ -125,3 +125,10 @@ def all_ranks_devices(cfg):
     dist.all_gather_object(seen, devices_seen(cfg))
     dist.destroy_process_group()
     return seen
+
+
+def launches_its_own(nproc_per_node):
+    """A task that calls distsync.launch itself, asking for ``nproc_per_node`` ranks (an app's main)."""
+    import distsync
+
+    return distsync.launch(rank_and_config, "inner", nproc_per_node=nproc_per_node)

@@ -1,9 +1,11 @@
 """A Hydra app for the distsync_optuna sweeper's tests (tests/test_optuna_sweeper.py).
 
 Each trial sleeps ``steps`` steps of ``step_seconds``, reporting ``value + 1 / (step + 1)`` at each step and
-stopping when the study's pruner says so; it returns ``value``. Every rank writes when its trial started
-and ended and at which step it stopped into ``<job dir>/rank<R>.json``. ``fail_when`` makes the trial fail
-when its ``x`` exceeds it. Under ``hydra/launcher=torchrun`` each trial is a world of its own.
+stopping when the study's pruner says so; it returns ``value`` (with ``objectives=2``, ``[value, -value]``).
+Every rank writes when its trial started and ended, at which step it stopped, its parent process and its
+process group into ``<job dir>/rank<R>.json``. ``fail_when`` makes the trial fail when its ``x`` exceeds it;
+``linger`` keeps the ranks other than 0 that many seconds after rank 0 returned (a world that ends late).
+Under ``hydra/launcher=torchrun`` each trial is a world of its own.
 """
 
 import json
@@ -18,7 +20,16 @@ from hydra.core.hydra_config import HydraConfig
 import distsync
 
 ConfigStore.instance().store(
-    name="config", node={"x": 0.0, "steps": 4, "step_seconds": 0.1, "fail_when": 1e9, "value_scale": 1.0}
+    name="config",
+    node={
+        "x": 0.0,
+        "steps": 4,
+        "step_seconds": 0.1,
+        "fail_when": 1e9,
+        "value_scale": 1.0,
+        "objectives": 1,
+        "linger": 0.0,
+    },
 )
 
 
@@ -37,10 +48,13 @@ def main(cfg) -> float:
             break
     rank = int(os.environ.get("RANK", "0"))
     record = {"start": started, "end": time.time(), "pruned_at": stopped, "x": float(cfg.x)}
+    record.update(ppid=os.getppid(), pgid=os.getpgrp(), cores=sorted(os.sched_getaffinity(0)))
     (Path(HydraConfig.get().runtime.output_dir) / f"rank{rank}.json").write_text(json.dumps(record))
     if float(cfg.x) > cfg.fail_when:
         raise RuntimeError(f"x={cfg.x} fails on purpose")
-    return value
+    if rank > 0:
+        time.sleep(cfg.linger)
+    return [value, -value] if cfg.objectives == 2 else value
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ for a batch, pruning that stops every rank of a trial's world together, failures
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import _vision
 import pytest
 import yaml
 from launching import ROOT, job_env, run_job
+
+from distsync.testing import timeout_scale
 
 optuna = pytest.importorskip("optuna")
 APP = ROOT / "tests" / "optuna_app.py"
@@ -60,7 +63,7 @@ def test_apps_without_optuna_see_nothing_of_the_sweeper(monkeypatch):
 def test_search_space_syntax_of_hydras_optuna_sweeper():
     from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    from hydra_plugins.distsync_optuna_sweeper._study import search_space
+    from hydra_plugins.distsync_optuna_sweeper._space import search_space
 
     space, fixed = search_space(
         [
@@ -199,27 +202,262 @@ def test_a_failed_trial_is_told_failed_the_study_goes_on_and_the_sweep_exits_non
     assert yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())["best_value"] == 0
 
 
-@pytest.mark.slow
-def test_a_killed_sweep_resumes_from_its_storage(tmp_path):
-    storage = f"journal:{tmp_path / 'journal.log'}"
-    args = [
-        f"hydra.sweeper.storage='{storage}'", "hydra.sweeper.study_name=resumed", "hydra.sweeper.n_trials=4",
-        "hydra.sweeper.n_jobs=1", "x=interval(0,1)", "steps=6", "step_seconds=0.5",
-    ]  # fmt: skip
-    command = [sys.executable, str(APP), *SWEEPER, f"hydra.sweep.dir={tmp_path / 'first'}", *args]
-    first = subprocess.Popen(command, cwd=tmp_path, env=job_env(PYTHONPATH=_vision.python_path()))
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(list((tmp_path / "first").glob("*/rank0.json"))) < 1:
+def _trials(storage: str, name: str) -> dict[int, optuna.trial.FrozenTrial]:
+    return {t.number: t for t in _study(storage, name).trials}
+
+
+def _wait_for(condition, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout * timeout_scale()
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout} s for {what}"
         time.sleep(0.2)
-    time.sleep(1.0)  # the second trial is running
+
+
+def _check_job_dirs(sweep: Path, trials: dict) -> None:
+    """Every job dir holds the trial of its number, and the files its own world wrote."""
+    for job in (p for p in sweep.iterdir() if p.is_dir()):
+        trial = trials[int(job.name)]
+        assert yaml.safe_load((job / "trial.yaml").read_text())["number"] == trial.number
+        assert Path(trial.user_attrs["job_dir"]) == job.resolve()
+        if (job / "rank0.json").exists():
+            assert json.loads((job / "rank0.json").read_text())["x"] == trial.params["x"], job
+
+
+@pytest.mark.slow
+def test_a_killed_sweep_resumed_by_the_same_command_gives_each_trial_a_job_dir_of_its_own(tmp_path):
+    """Killed during its second trial, the sweep is run again as it was: the trial that was running is
+    failed, not counted and queued again; trials go on from #2 in job dirs of their own (job numbers are
+    trial numbers), the first trial's dir untouched; the study ends with n_trials completed."""
+    args = [
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.n_jobs=1",
+        "x=interval(0,1)",
+        "steps=6",
+        "step_seconds=0.5",
+    ]
+    command = [sys.executable, str(APP), *SWEEPER, f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
+    first = subprocess.Popen(command, cwd=tmp_path, env=job_env(PYTHONPATH=_vision.python_path()))
+    storage = f"journal:{tmp_path / 'sweep' / 'optuna_journal.log'}"
+    _wait_for(lambda: (tmp_path / "sweep" / "0" / "rank0.json").exists(), "the first trial's end")
+    _wait_for(lambda: (tmp_path / "sweep" / "1" / ".hydra").is_dir(), "the second trial's job")
     first.send_signal(signal.SIGKILL)
     first.wait(60)
-    done = [t for t in _study(storage, "resumed").trials if t.state.name == "COMPLETE"]
-    assert len(done) >= 1
-    proc = _sweep(tmp_path, *args, cwd=tmp_path)
+    first_x = json.loads((tmp_path / "sweep" / "0" / "rank0.json").read_text())["x"]
+    proc = _sweep(tmp_path, *args)
     assert proc.returncode == 0
-    trials = _study(storage, "resumed").trials
-    counted = [t for t in trials if not t.user_attrs.get("distsync_interrupted")]
-    assert len([t for t in counted if t.state.name == "COMPLETE"]) == 4
-    assert all(t.state.name == "FAIL" for t in trials if t.user_attrs.get("distsync_interrupted"))
-    assert len(list((tmp_path / "sweep").glob("*/rank0.json"))) == 4 - len(done)
+    trials = _trials(storage, "distsync")
+    assert trials[0].state.name == "COMPLETE" and trials[0].params["x"] == first_x
+    assert trials[1].state.name == "FAIL" and trials[1].user_attrs["distsync_interrupted"]
+    retry = trials[2]  # the interrupted trial's parameters, run first, in a directory of its own
+    assert retry.params == trials[1].params and retry.system_attrs["failed_trial"] == 1
+    assert [t.number for t in trials.values() if t.state.name == "COMPLETE"] == [0, 2, 3]
+    assert yaml.safe_load((tmp_path / "sweep" / "1" / "trial.yaml").read_text())["retried_as"] == 2
+    _check_job_dirs(tmp_path / "sweep", trials)
+    assert "1 of n_trials=3 finished, 0 running" in proc.stdout  # at the start: #0; #1 not counted
+    assert "this sweep ran 2" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_a_trial_whose_rank_0_returned_before_the_kill_counts_as_finished(tmp_path):
+    """Two-rank trials whose rank 1 ends 60 s after rank 0 returned: the sweep killed in that time, the
+    resumed sweep tells the trial complete with the value rank 0 returned, in its own job dir."""
+    plugin = ["hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=2"]
+    args = [*plugin, "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", "x=interval(0,1)", "steps=1"]
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, str(APP), *SWEEPER, f"hydra.sweep.dir={sweep}", *args, "linger=60"]
+    first = subprocess.Popen(command, cwd=tmp_path, env=job_env(PYTHONPATH=_vision.python_path()))
+    storage = f"journal:{sweep / 'optuna_journal.log'}"
+    _wait_for(lambda: (sweep / "0" / "rank0.json").exists(), "the first trial's rank 0 to return")
+    deadline = time.monotonic() + 30 * timeout_scale()
+    while "distsync_result" not in _trials(storage, "distsync")[0].user_attrs:  # rank 0 records it next
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    first.send_signal(signal.SIGKILL)
+    first.wait(60)
+    assert _trials(storage, "distsync")[0].state.name == "RUNNING"
+    proc = _sweep(tmp_path, *args, "linger=0")
+    assert proc.returncode == 0
+    trials = _trials(storage, "distsync")
+    x = json.loads((sweep / "0" / "rank0.json").read_text())["x"]
+    assert trials[0].state.name == "COMPLETE" and trials[0].values == [x]
+    assert [t.state.name for t in trials.values()] == ["COMPLETE", "COMPLETE"]
+    _check_job_dirs(sweep, trials)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="two 1-core trials at once")
+def test_ctrl_c_of_a_packed_study_interrupts_its_running_trials_and_the_next_sweep_runs_them(tmp_path):
+    """Ctrl-C while two trials run: both are told failed as interrupted (not counted toward n_trials, as
+    after a kill), and queued again; the same command runs them first, each in a job dir of its own."""
+    args = [
+        *PACKED,
+        "hydra.sweeper.n_trials=3",
+        "hydra.sweeper.n_jobs=2",
+        "x=interval(0,1)",
+        "step_seconds=0.5",
+    ]
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, str(APP), *SWEEPER, f"hydra.sweep.dir={sweep}", *args, "steps=200"]
+    first = subprocess.Popen(
+        command,
+        cwd=tmp_path,
+        env=job_env(PYTHONPATH=_vision.python_path()),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _wait_for(lambda: len(list(sweep.glob("*/logs/rank0.log"))) == 2, "two trials' workers")
+    first.send_signal(signal.SIGINT)
+    _, stderr = first.communicate(timeout=120 * timeout_scale())
+    assert first.returncode == 130, stderr
+    storage = f"journal:{sweep / 'optuna_journal.log'}"
+    trials = _trials(storage, "distsync")
+    assert [(t.state.name, t.user_attrs.get("distsync_interrupted")) for t in trials.values()] == [
+        ("FAIL", True),
+        ("FAIL", True),
+        ("WAITING", None),
+        ("WAITING", None),
+    ]
+    assert {t.params["x"] for t in trials.values() if t.number < 2} == {
+        trials[2].params["x"],
+        trials[3].params["x"],
+    }
+    assert "interrupted (not counted)" in (sweep / "optuna_trials.md").read_text()
+
+    proc = _sweep(tmp_path, *args, "steps=1")
+    assert proc.returncode == 0
+    trials = _trials(storage, "distsync")
+    assert [t.state.name for t in trials.values()] == ["FAIL", "FAIL", "COMPLETE", "COMPLETE", "COMPLETE"]
+    assert sorted(t.system_attrs.get("failed_trial", -1) for t in trials.values())[-2:] == [0, 1]
+    _check_job_dirs(sweep, trials)
+
+
+@pytest.mark.slow
+def test_two_sweeps_of_one_study_share_its_n_trials(tmp_path):
+    """n_trials counts the study's trials, every sweep's: two sweeps run at once on one storage and study
+    end with n_trials between them (one more at most: each may ask at the same moment), and say so."""
+    storage = f"journal:{tmp_path / 'journal.log'}"
+    args = [
+        f"hydra.sweeper.storage='{storage}'", "hydra.sweeper.study_name=shared", "hydra.sweeper.n_trials=4",
+        "hydra.sweeper.n_jobs=1", "x=interval(0,1)", "steps=4", "step_seconds=0.5",
+    ]  # fmt: skip
+    commands = [[sys.executable, str(APP), *SWEEPER, f"hydra.sweep.dir={tmp_path / d}", *args] for d in "ab"]
+    env = job_env(PYTHONPATH=_vision.python_path())
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    sweeps = [subprocess.Popen(c, cwd=tmp_path, env=env, **output) for c in commands]
+    outputs = [s.communicate(timeout=300 * timeout_scale())[0] for s in sweeps]
+    assert [s.returncode for s in sweeps] == [0, 0], outputs
+    trials = _study(storage, "shared").trials
+    assert all(t.state.name == "COMPLETE" for t in trials) and 4 <= len(trials) <= 5
+    ran = [int(re.search(r"this sweep ran (\d+)", out).group(1)) for out in outputs]
+    assert sum(ran) == len(trials) and min(ran) >= 1, outputs
+    assert all("counts the study's trials, every sweep's" in out for out in outputs)
+
+
+def test_a_search_space_optuna_cannot_draw_from_is_one_line():
+    from hydra.errors import ConfigCompositionException
+
+    from hydra_plugins.distsync_optuna_sweeper._space import search_space
+
+    for override, said in [
+        ("x=interval(1,0)", "x=interval(1,0): its low end 1.0 is above its high end 0.0"),
+        (
+            "x=tag(log,interval(0,1))",
+            "x=tag(log,interval(0,1)): a log scale needs a low end above 0, got 0.0",
+        ),
+        ("n=range(5,1)", "n=range(5,1): its low end 5 is above its high end 1"),
+    ]:
+        with pytest.raises(ConfigCompositionException) as refused:
+            search_space([override])
+        assert str(refused.value) == said
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("x=interval(1,0)", "x=interval(1,0): its low end 1.0 is above its high end 0.0"),
+        (
+            "x=tag(log,interval(0,1))",
+            "x=tag(log,interval(0,1)): a log scale needs a low end above 0, got 0.0",
+        ),
+        (
+            "hydra.sweeper.direction=maximise",
+            "hydra.sweeper.direction must be minimize or maximize, or a list of them (one per objective), "
+            "got 'maximise'",
+        ),
+    ],
+)
+def test_what_optuna_would_refuse_is_one_line_on_the_command_line(tmp_path, override, said):
+    proc = _sweep(tmp_path, override, "hydra.sweeper.n_trials=1")
+    assert proc.returncode == 1
+    assert [line for line in proc.stderr.splitlines() if line.strip()][0] == said, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "sweep" / "0").exists()
+
+
+@pytest.mark.slow
+def test_a_list_of_directions_from_the_command_line_makes_a_multi_objective_study(tmp_path):
+    """``direction=[minimize,maximize]`` (an OmegaConf ListConfig), as the docs offer: a study of two
+    objectives, whose Pareto front the sweep writes; the trials' reports are no pruning material there."""
+    proc = _sweep(
+        tmp_path, "hydra.sweeper.direction=[minimize,maximize]", "hydra.sweeper.n_trials=3", "objectives=2",
+        "x=interval(0,1)", "hydra.sweeper.sampler.seed=0",
+    )  # fmt: skip
+    assert proc.returncode == 0
+    study = _study(f"journal:{tmp_path / 'sweep' / 'optuna_journal.log'}", "distsync")
+    assert [d.name for d in study.directions] == ["MINIMIZE", "MAXIMIZE"]
+    assert all(
+        t.state.name == "COMPLETE" and t.values == [t.params["x"], -t.params["x"]] for t in study.trials
+    )
+    front = yaml.safe_load((tmp_path / "sweep" / "optimization_results.yaml").read_text())["solutions"]
+    best = min(study.trials, key=lambda t: t.params["x"])  # min x and max -x: the smallest x dominates
+    assert [s["number"] for s in front] == [best.number]
+
+
+def test_directions_take_hydras_forms_and_refuse_anything_else():
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+
+    from hydra_plugins.distsync_optuna_sweeper._space import directions
+
+    listed = OmegaConf.create({"direction": ["minimize", "maximize"]}).direction
+    assert directions(listed) == ["minimize", "maximize"]
+    assert directions("maximize") == ["maximize"]
+    for wrong in ("maximise", ["minimize", "up"], []):
+        with pytest.raises(ConfigCompositionException, match="hydra.sweeper.direction must be minimize or"):
+            directions(wrong)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="two trials at once")
+def test_the_readme_optuna_command_on_the_example_app_maximizes_what_it_reports(tmp_path):
+    """The README's Optuna command, on a copy of examples/hydra_app (fewer trials): the app's own
+    2-rank worlds, each trial reporting its held-out accuracy every 10 steps to the median pruner, and the
+    best trial is the one of the highest accuracy, not the lowest."""
+    import shutil
+
+    app = tmp_path / "my_app"
+    ignore = shutil.ignore_patterns("outputs", "multirun", "sweep")
+    shutil.copytree(ROOT / "examples" / "hydra_app", app, ignore=ignore)
+    readme = (ROOT / "README.md").read_text()
+    (command,) = re.findall(r"python my_app\.py -m hydra/sweeper=distsync_optuna[^\n]*\\\n[^\n]*", readme)
+    args = [a.strip("'") for a in command.replace("\\\n", " ").split()[3:]]
+    assert "hydra.sweeper.direction=maximize" in args
+    args = [a for a in args if not a.startswith("hydra.sweeper.n_trials=")]
+    more = ["hydra.sweeper.n_trials=5", "hydra.sweeper.pruner.n_startup_trials=2", "hydra.sweep.dir=sweep"]
+    proc = run_job([sys.executable, "app.py", "-m", *args, *more], cwd=app, timeout=600)
+    assert proc.returncode == 0
+    study = _study(f"journal:{app / 'sweep' / 'optuna_journal.log'}", "distsync")
+    assert len(study.trials) == 5
+    for trial in study.trials:
+        job = Path(trial.user_attrs["job_dir"])
+        assert json.loads((job / "rank0.json").read_text())["world_size"] == 2  # the app's own size
+        steps = sorted(trial.intermediate_values)
+        assert steps and steps == list(range(10, 10 * len(steps) + 1, 10)), trial  # every evaluation
+        if trial.state.name == "PRUNED":
+            assert yaml.safe_load((job / "trial.yaml").read_text())["pruned_at_step"] == steps[-1]
+        else:
+            assert trial.state.name == "COMPLETE" and steps[-1] == 40
+    completed = [t for t in study.trials if t.state.name == "COMPLETE"]
+    results = yaml.safe_load((app / "sweep" / "optimization_results.yaml").read_text())
+    assert results["best_value"] == max(t.value for t in completed)

@@ -172,3 +172,19 @@ def test_an_n_jobs_the_gpus_cannot_hold_is_refused_before_any_job(tmp_path):
     assert proc.returncode != 0
     assert "hydra.launcher: n_jobs=3 jobs of nproc_per_node=2 need 6 GPUs, 4 visible (0,1,2,3)" in proc.stderr
     assert not (app / "multirun").exists() or not list((app / "multirun").glob("**/rank0.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="packs two jobs on two cores at least")
+def test_the_workers_of_every_packed_job_fork_from_the_launchers_server_in_their_jobs_group(tmp_path):
+    """One fork server, started with the launcher (torch and the app's libraries imported once), forks
+    the workers of every job: no job waits for a server of its own. Each worker still runs in its job's
+    process group (a terminal's Ctrl-C reaches it through its agent only)."""
+    app = ROOT / "tests" / "optuna_app.py"
+    plugin = ["hydra/launcher=torchrun", "hydra.launcher.nproc_per_node=1", "hydra.launcher.n_jobs=2"]
+    args = ["-m", *plugin, "x=0,1,2,3", "steps=1", f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    proc = run_job([sys.executable, str(app), *args], tmp_path, timeout=240)
+    assert proc.returncode == 0
+    records = [json.loads((tmp_path / "sweep" / str(k) / "rank0.json").read_text()) for k in range(4)]
+    assert len({r["ppid"] for r in records}) == 1  # one fork server for the four jobs
+    assert len({r["pgid"] for r in records}) == 4 and records[0]["ppid"] not in {r["pgid"] for r in records}

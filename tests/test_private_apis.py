@@ -275,9 +275,13 @@ def test_cpython_exit_handler_functions_a_forked_worker_runs():
     assert callable(atexit._clear) and callable(atexit._run_exitfuncs)
 
 
-def test_multiprocessing_fork_server_state_a_packed_job_forgets():
-    from multiprocessing import forkserver
+def test_multiprocessing_fork_server_state_a_packed_job_shares():
+    """launching.packing: a job process checks on the launcher's server by its pid (the instance's and the
+    module's ``ensure_running``); launching.streams hands its fds 1 and 2 to a server's worker."""
+    from multiprocessing import context, forkserver, reduction
 
     server = forkserver._forkserver
     for name in ("_forkserver_pid", "_forkserver_address", "_forkserver_alive_fd"):
         assert hasattr(server, name), name
+    assert callable(type(server).ensure_running) and callable(forkserver.ensure_running)
+    assert callable(context.get_spawning_popen) and callable(reduction.DupFd)

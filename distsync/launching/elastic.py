@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from distsync.launching.rendezvous import RendezvousError, claimed_store
 from distsync.launching.worker import NonRetryableError
+from distsync.launching.world_size import ask_in_place, sized_by_fn
 
 if TYPE_CHECKING:
     from distsync.launching.devices import DeviceSet
@@ -46,6 +47,7 @@ T = TypeVar("T")
 _MULTI_NODE_RDZV_TIMEOUT_S = 900  # agents of a multi-node job may start minutes apart (SLURM, submitit)
 _RDZV_TIMEOUT_S = 600  # torch's default for every rendezvous backend
 _START_METHODS = ("spawn", "fork", "forkserver")
+_WORKER_MODULE = "distsync.launching.worker"  # what each worker imports first
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +78,7 @@ def launch(
     fn: Callable[[Any], T],
     cfg: Any,
     *,
-    nproc_per_node: int | str = 1,
+    nproc_per_node: int | str | None = 1,
     nnodes: int | str = 1,
     rdzv_backend: str = "c10d",
     rdzv_endpoint: str = "",
@@ -114,7 +116,9 @@ def launch(
             ``python -c`` script or a notebook defines)
         cfg: its single argument (a ``DictConfig``, a dataclass, anything picklable)
         nproc_per_node: workers on this node; an int, or ``"gpu"``/``"cpu"``/``"auto"`` as for
-            ``torchrun``. Default: 1
+            ``torchrun``; or None: as many as ``fn``'s own ``distsync.launch`` asks for, else 1 (one
+            rank starts ``fn``, and the world starts again at the size its launch asks for, see
+            :mod:`~distsync.launching.world_size`). Default: 1
         nnodes: nodes, ``N`` or ``"MIN:MAX"`` (elastic). Default: 1
         rdzv_backend: rendezvous backend (``c10d``, ``etcd``, ``etcd-v2``, ``static``). Default: ``"c10d"``
         rdzv_endpoint: ``host:port`` where the nodes meet. Under SLURM with ``nnodes > 1`` it defaults
@@ -126,8 +130,9 @@ def launch(
             backend (torch's ``join_timeout`` for ``c10d``). Default: ``{"timeout": 900}`` with several
             nodes, else torch's 600 s
         standalone: one node meeting at ``localhost`` on a free port (under a fresh id unless
-            ``rdzv_id`` is given), as ``torchrun --standalone``; so concurrent jobs never collide.
-            Default: with ``nnodes == 1`` and no ``rdzv_endpoint``
+            ``rdzv_id`` is given), as ``torchrun --standalone``; so concurrent jobs never collide. The
+            agent hosts the store there and meets no one (:mod:`~distsync.launching.local_rendezvous`),
+            ``rdzv_backend`` aside. Default: with ``nnodes == 1`` and no ``rdzv_endpoint``
         max_restarts: times the whole world is restarted after a worker fails. Default: 0
         monitor_interval: seconds between the agent's checks of its workers. Default: 0.1
         start_method: how the agent starts its workers: ``"forkserver"`` forks them from a server process
@@ -165,7 +170,13 @@ def launch(
         ...     return distsync.launch(train, cfg, nproc_per_node=2)
     """
     if under_elastic_agent():
+        ask_in_place(nproc_per_node)  # in a one-rank world that fn sizes: start it again at this size
         return fn(cfg)
+    if nproc_per_node is None:
+        options = dict(nnodes=nnodes, rdzv_backend=rdzv_backend, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+        options.update(rdzv_conf=rdzv_conf, standalone=standalone, max_restarts=max_restarts, role=role)
+        options.update(monitor_interval=monitor_interval, start_method=start_method, log_dir=log_dir)
+        return sized_by_fn(lambda nproc: launch(fn, cfg, nproc_per_node=nproc, devices=devices, **options))
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -194,7 +205,9 @@ def launch(
     if standalone:
         if max_nodes != 1:
             raise ValueError(f"standalone=True runs one node, got nnodes={nnodes!r}")
-        rdzv_backend, rdzv_endpoint, rdzv_id = "c10d", "localhost:0", rdzv_id or uuid.uuid4().hex
+        from distsync.launching.local_rendezvous import backend  # no join protocol to wait through
+
+        rdzv_backend, rdzv_endpoint, rdzv_id = backend(), "localhost:0", rdzv_id or uuid.uuid4().hex
     else:
         rdzv_endpoint, rdzv_id = _rendezvous(rdzv_endpoint, rdzv_id, max_nodes)
     rdzv_conf, timeout_s = _rendezvous_conf(rdzv_backend, rdzv_conf, max_nodes)
@@ -406,6 +419,7 @@ def start_fork_server() -> None:
         for name, module in list(sys.modules.items())
         if "." not in name and _is_installed_library(module)
     )
+    libraries.append(_WORKER_MODULE)  # every worker runs it: distsync itself, installed or not
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["distsync.launching.fork_server", *libraries])
     from multiprocessing import forkserver, resource_tracker

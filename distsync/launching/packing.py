@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import multiprocessing
 import os
 import pickle
@@ -97,7 +98,9 @@ def run_as_slots_free(
     ``job(slot)`` in a forked process on that slot; ``finished(k, how)`` as each job ends, in the order
     they end. So jobs start the moment a slot frees, and what the next job is may depend on how the ones
     before ended (an asynchronous sweep). Returns once no job runs and ``next_job()`` has none; signals,
-    exit codes and the jobs' tagged output as :func:`run_packed`.
+    exit codes and the jobs' tagged output as :func:`run_packed`. A job that SIGINT or SIGTERM stopped
+    (it failed after the signal reached it) is not passed to ``finished``: the ``SystemExit`` raised at
+    the end says that every job not reported was interrupted.
     """
     if not slots:
         raise ValueError("run_packed needs at least one slot")
@@ -134,8 +137,10 @@ def run_as_slots_free(
                     continue
                 k, proc, slot = running.pop(reader)  # type: ignore[call-overload]
                 how = _collect(reader, proc, lambda: _relay_ready(outputs, 0.05))  # type: ignore[arg-type]
-                exit_code = exit_code or how.exit_code
                 free.insert(_slot_order(slots, free, slot), slot)
+                if proc.pid in stop.reached and how.error is not None:
+                    continue  # stopped by the signal: interrupted, not ended
+                exit_code = exit_code or how.exit_code
                 finished(k, how)
     _drain(outputs)
     if stop.signum:
@@ -191,7 +196,7 @@ def _job_process(
     output.become_job_output()
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
-    _forget_the_launchers_fork_server()
+    _share_the_launchers_fork_server()
     for signum in _STOP_SIGNALS:  # until the job's agent installs its own handlers
         signal.signal(signum, _exit_on_signal)
     _terminated_with_launcher()
@@ -206,19 +211,43 @@ def _job_process(
     writer.close()
 
 
-def _forget_the_launchers_fork_server() -> None:
-    """A fork server the launcher started is the launcher's child: ``multiprocessing`` in this forked job
-    process would fail to check on it (``waitpid``: "No child processes"). Forget it (closing this copy of
-    its lifeline), so that the job's agent starts a server of its own. ``multiprocessing.forkserver``'s
-    private state, 3.10 to 3.13: tests/test_private_apis.py checks it."""
-    from multiprocessing import forkserver
+def _share_the_launchers_fork_server() -> None:
+    """Start this job's workers from the fork server the launcher started (which imported torch and the
+    app's libraries once), rather than from a server of the job's own, whose imports took seconds before
+    every job's first line. ``multiprocessing`` checks on a server it started with ``waitpid``, which fails
+    here ("No child processes": the server is the launcher's child), so this process checks on it by its
+    pid instead, and starts a server of its own if the launcher's is gone. The workers write into this
+    job's tagged pipes and join its process group all the same (:class:`.streams.LaunchingStreams`).
+    ``multiprocessing.forkserver``'s private state, 3.10 to 3.13: tests/test_private_apis.py checks it."""
+    from multiprocessing import forkserver, resource_tracker
 
     server = getattr(forkserver, "_forkserver", None)
-    if server is None or getattr(server, "_forkserver_pid", None) is None:
+    pid = getattr(server, "_forkserver_pid", None)
+    if server is None or pid is None:
         return
-    with contextlib.suppress(OSError, TypeError):
-        os.close(server._forkserver_alive_fd)
-    server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+    own_check = type(server).ensure_running
+
+    def ensure_running() -> None:
+        if server._forkserver_pid == pid and _running(pid):
+            resource_tracker.ensure_running()
+            return
+        with contextlib.suppress(OSError, TypeError):  # gone: start a server of this process's own
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+        forkserver.ensure_running = server.ensure_running = functools.partial(own_check, server)
+        server.ensure_running()
+
+    forkserver.ensure_running = server.ensure_running = ensure_running  # the module's name, the instance's
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (not a zombie), on Linux, where packing runs."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            state = stat.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"Z", b"X")
 
 
 def _terminated_with_launcher() -> None:

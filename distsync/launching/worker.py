@@ -14,7 +14,6 @@ import contextlib
 import copy
 import dataclasses
 import importlib
-import importlib.util
 import inspect
 import json
 import logging
@@ -31,6 +30,9 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from distsync.launching.lifeline import die_with_parent
+from distsync.launching.streams import LaunchingStreams
+from distsync.launching.world_size import WorldSizeRequest
+from distsync.tuning import report_result
 
 _PEER_FAILURE_GRACE_S = 1.0  # a failed worker waits this long before it exits (see run_rank)
 
@@ -205,6 +207,7 @@ class WorkerSetup:
         self.main = MainModule.of_this_process()
         self.start_method = "spawn"  # how the agent starts the workers (set by distsync.launch)
         self.environ = dict(os.environ)  # the launching process's, now: a forked worker's may be older
+        self.streams = LaunchingStreams()  # its stdout, stderr and group, for a fork server's worker
 
     @classmethod
     def capture(cls, log_dir: str | os.PathLike | None, devices: Any = None) -> WorkerSetup:
@@ -327,6 +330,7 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
     code 0 it ends without a result, which the agent notices. The worker then ends without tearing its
     interpreter down (:func:`_end_without_teardown`).
     """
+    setup.streams.adopt()
     die_with_parent()  # an agent that is SIGKILLed cannot stop its workers
     _launch_environment(setup.environ)
     if setup.start_method != "spawn":
@@ -347,10 +351,14 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
         if isinstance(fn, _FunctionRef):
             fn = fn.resolve()
         result = rank, fn(cfg)
+        if rank == 0:
+            _record_trial_result(result[1])
         try:  # the agent's queue pickles it after this returns: fail here instead
             ForkingPickler.dumps(result)
         except (pickle.PicklingError, TypeError, AttributeError):
             result = rank, by_value(result[1], "the returned value")
+    except WorldSizeRequest as request:  # fn's own launch asks for another size: not a failure
+        result = rank, request
     except NonRetryableError as error:  # every rank says the same: one line for the launcher to print
         _tell_agent(str(error), rank=rank, retry=False)
         _to_rank_file(f"rank {rank} failed, not to be restarted", with_traceback=True)
@@ -383,6 +391,16 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
         raise
     _exit_code[0] = 0
     return result
+
+
+def _record_trial_result(value: Any) -> None:
+    """In a ``distsync_optuna`` trial, rank 0's value into the trial at once: a sweep killed from now on
+    still counts the trial as finished when it resumes. Failing to record it fails nothing: the sweeper
+    tells the study the value the job returns."""
+    try:
+        report_result(value)
+    except Exception as error:
+        print(f"distsync: could not record the trial's result in its study: {error!r}", file=sys.stderr)
 
 
 # What torch's elastic agent sets for each worker (LocalElasticAgent._start_workers, and the error file of
@@ -435,8 +453,8 @@ def _rank_zero_only_from_environment(rank: int) -> None:
     which may have happened before this worker's ``RANK`` was set (in the launching process, a fork server):
     set it to this rank, so that rank-zero-only code (loggers, Hydra templates' ``extras``) runs on rank 0
     alone from the start. Lightning sets it again once its strategy is up."""
-    if importlib.util.find_spec("lightning_utilities") is None:
-        return
+    if "lightning_utilities.core.rank_zero" not in sys.modules:
+        return  # imported later, it reads this worker's RANK itself
     from lightning_utilities.core.rank_zero import rank_zero_only
 
     rank_zero_only.rank = rank

@@ -32,6 +32,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from distsync.launching.world_size import ask_in_place
 from distsync.train.build import check_buildable, check_builtin_data
 from distsync.train.config import ConfigError, TrainConfig
 from distsync.train.resume import check_resume
@@ -328,6 +329,8 @@ def hydra_main(cfg: DictConfig) -> float:
     """Body of ``launch/train.py``'s ``@hydra.main`` task: validate, train, return rank 0's final metric."""
     try:
         train_cfg = to_train_config(cfg)
+        if under_torchrun():  # in a world whose launcher leaves its size to the job: trainer.nproc_per_node
+            ask_in_place(train_cfg.trainer.nproc_per_node)
         _check_environment(train_cfg)
     except ConfigError as error:
         _refuse_early(str(error), error)

@@ -41,6 +41,7 @@ from distsync.train.optim import build_optimizer, build_scheduler
 from distsync.train.state import resume_training, save_training_state
 from distsync.train.streaming import StreamBatches, check_streaming, first_input, is_stream
 from distsync.train.targets import instantiate
+from distsync.tuning import report_result
 
 __all__ = ["Trainer", "FINAL_LOSS_STEPS", "KILL_AT_STEP_ENV"]
 
@@ -392,6 +393,7 @@ class Trainer:
         if self.rank == 0:
             self._save_inference_model()
             write_json_atomic(self.run_dir / "summary.json", summary)
+            report_result(summary[self.cfg.trainer.metric])  # an Optuna trial's value, in its study now
             plot_curves(
                 self.metrics.rows(),
                 self.run_dir / "curves.png",

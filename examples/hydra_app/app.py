@@ -5,10 +5,14 @@
     python app.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=2 lr=0.05,0.2  # by the plugin
     python app.py -m hydra/launcher=torchrun hydra.launcher.nproc_per_node=1 hydra.launcher.n_jobs=2 \
         lr=0.05,0.1,0.2,0.4                           # two jobs at a time, each on its own cores (or GPUs)
-    python app.py -m hydra/sweeper=distsync_optuna hydra.sweeper.n_trials=4 hydra.sweeper.direction=maximize \
-        'lr=interval(0.01,0.3)'                       # Optuna maximizes what rank 0 returns
+    python app.py -m hydra/sweeper=distsync_optuna hydra.sweeper.direction=maximize \
+        hydra.sweeper.n_trials=20 'lr=tag(log,interval(0.01,1))' hydra/launcher=torchrun \
+        hydra.launcher.n_jobs=2 hydra/sweeper/pruner=median
+                                                      # Optuna maximizes what rank 0 returns; losers pruned
 
 Each rank trains a small MLP with synchronized batch norm on its shard of a synthetic data set, under DDP.
+Every ``eval_every`` steps it measures the held-out accuracy, reports it to an Optuna sweep's study and
+stops if the study's pruner says so (outside such a sweep both calls do nothing).
 """
 
 from __future__ import annotations
@@ -75,21 +79,31 @@ def fit(cfg: DictConfig, device: torch.device, rank: int, world: int) -> float:
     model = nn.parallel.DistributedDataParallel(model, **distsync.no_buffer_broadcast())
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
     generator = torch.Generator().manual_seed(cfg.seed + rank)
-    for step in range(cfg.steps):
+    held_out = inputs[split:].to(device), labels[split:].to(device)
+    accuracy = float("nan")
+    for step in range(1, cfg.steps + 1):
         batch = torch.randint(len(train_y), (cfg.batch_size,), generator=generator)
         loss = nn.functional.cross_entropy(model(train_x[batch].to(device)), train_y[batch].to(device))
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         distsync.check_sync()  # once per step: raises on every rank what a GPU found wrong (no-op on CPU)
-        if step % 10 == 0:
-            log.info(f"step {step}: loss {loss.item():.4f}")
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            accuracy = evaluate(model, *held_out)
+            log.info(f"step {step}: loss {loss.item():.4f}, held-out accuracy {accuracy:.3f}")
+            distsync.report(step, accuracy)  # to an Optuna sweep's study (from rank 0); else nothing
+            if distsync.should_prune():  # the same answer on every rank: all stop at this step
+                log.info(f"pruned at step {step}")
+                break
+    return accuracy
 
+
+def evaluate(model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor) -> float:
+    """The accuracy on the held-out samples (the same on every rank: the same samples and weights)."""
     model.eval()
     with torch.no_grad():
-        predicted = model(inputs[split:].to(device)).argmax(1).cpu()
-    accuracy = (predicted == labels[split:]).float().mean().item()
-    log.info(f"held-out accuracy {accuracy:.3f}")
+        accuracy = (model(inputs).argmax(1) == labels).float().mean().item()
+    model.train()
     return accuracy
 
 

@@ -54,7 +54,7 @@ class DistsyncOptunaSweeperConf:
     direction: Any = "minimize"  # or "maximize", or a list of them for several objectives
     storage: Optional[str] = None  # noqa: UP045  an RDB URL, or journal:<file>; default: the sweep dir's
     study_name: Optional[str] = None  # noqa: UP045
-    n_trials: int = 20  # the study's finished trials (completed, pruned, failed) to reach
+    n_trials: int = 20  # the study's trials, every sweep's: asked while fewer are finished or running
     n_jobs: int = 2  # trials running at once, each on a slot of the launcher (hydra.launcher.n_jobs)
     max_failure_rate: float = 0.0  # above this share of failed trials, the sweep exits non-zero at its end
     params: Optional[dict[str, str]] = None  # noqa: UP045

@@ -9,10 +9,14 @@ default, or ``storage=``: an RDB URL or ``journal:<file>``), so a killed sweep r
 :func:`distsync.should_prune` (rank 0 asks the configured pruner, every rank gets the answer).
 
 Trials that fail are told as failed and the study goes on; at the end the sweep exits non-zero if more
-than ``max_failure_rate`` of them failed. ``n_trials`` counts the study's finished trials (completed,
-pruned, failed), those of an earlier, interrupted run of the same study included. The sweep dir gets
-``optimization_results.yaml`` (as Hydra's Optuna sweeper writes it), ``optuna_trials.md`` (every trial:
-state, values, parameters, job dir; pruned ones marked) and, in each job dir, ``trial.yaml``.
+than ``max_failure_rate`` of them failed. ``n_trials`` counts the study's trials, every sweep's: a sweep
+asks for one while fewer than ``n_trials`` are finished (completed, pruned, failed) or running, so a
+resumed sweep finishes the study and two sweeps of one study share the count. Trial #N runs in job
+directory N. The trials a stopped sweep leaves running (Ctrl-C, SIGTERM, or killed and resumed) count as
+finished if their rank 0 had returned its value, else as interrupted: failed, not counted, and queued
+again (:mod:`._trials`). The sweep dir gets ``optimization_results.yaml`` (as Hydra's Optuna sweeper
+writes it), ``optuna_trials.md`` (every trial: state, values, parameters, job dir; pruned and interrupted
+ones marked) and, in each job dir, ``trial.yaml``.
 
 Hydra imports this module on every run of every app (its plugin scan), so it imports no Optuna: the study
 (``_study.py``) is imported when the sweeper is chosen, and Optuna older than 4 is refused there by name.

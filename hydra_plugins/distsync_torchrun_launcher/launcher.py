@@ -9,6 +9,11 @@ runs on every rank of a world that :func:`distsync.launch` starts for the job: t
 one run directory for all ranks, ``HydraConfig`` in the workers, rank 0's return value back to the sweeper.
 A job whose workers fail is recorded as failed; the other jobs of the batch still run.
 
+The world's size: ``hydra.launcher.nproc_per_node`` when given (an app's own ``distsync.launch`` then runs
+in place, in that world); unset, the size the app's own ``distsync.launch(nproc_per_node=...)`` asks for
+(the job's world starts with one rank and starts again at that size, see
+:mod:`~distsync.launching.world_size`), and one rank for a task function that never calls it.
+
 With ``hydra.launcher.n_jobs`` > 1 up to that many jobs of a batch run at once, each in a process of its
 own (:mod:`~distsync.launching.packing`) and each world on devices of its own: ``nproc_per_node`` GPUs per job
 (``CUDA_VISIBLE_DEVICES``), or on a machine without GPUs an equal share of the cores (CPU affinity). The
@@ -20,7 +25,6 @@ in this process, on every device, as before.
 # dataclasses cannot resolve string annotations, and OmegaConf reads these types (hence ``Optional``).
 
 import functools
-import itertools
 import logging
 import sys
 from collections.abc import Callable, Sequence
@@ -29,7 +33,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, JobStatus, configure_log, run_job, setup_globals
 from hydra.errors import ConfigCompositionException
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
@@ -43,7 +47,8 @@ class TorchrunLauncherConf:
     """Options of :func:`distsync.launch`, named like torchrun's flags."""
 
     _target_: str = "hydra_plugins.distsync_torchrun_launcher.launcher.TorchrunLauncher"
-    nproc_per_node: Any = 1  # an int, or "gpu" / "cpu" / "auto"
+    # An int, or "gpu" / "cpu" / "auto"; unset: the app's own distsync.launch(nproc_per_node=...), else 1.
+    nproc_per_node: Any = None
     nnodes: Any = 1  # N or "MIN:MAX"
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str = ""
@@ -79,10 +84,11 @@ class TorchrunLauncher(Launcher):
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
-        if self.options.get("start_method", "forkserver") == "forkserver" and self.options.get("n_jobs") == 1:
+        _import_the_agent()  # once, here: a packed job's process is forked with it imported
+        if self.options.get("start_method", "forkserver") == "forkserver":
             from distsync.launching.elastic import start_fork_server
 
-            start_fork_server()  # its imports overlap the sweep's setup (a packed job starts its own)
+            start_fork_server()  # its imports overlap the sweep's setup; every job's workers fork from it
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
@@ -101,39 +107,42 @@ class TorchrunLauncher(Launcher):
         log.info(f"Launching {len(job_overrides)} jobs, each a torchrun world")
         runs = []
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
-            log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
+            log.info(f"\t#{idx} : {' '.join(_shown(overrides))}")
             runs.append(self._run_job(idx, self._sweep_config(idx, overrides), None))
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return runs
 
     def launch_as_slots_free(
         self,
-        next_overrides: Callable[[], Optional[Sequence[str]]],  # noqa: UP045
+        next_job: Callable[[], Optional[tuple[int, Sequence[str]]]],  # noqa: UP045
         finished: Callable[[int, JobReturn], None],
-        initial_job_idx: int,
         max_jobs: int,
     ) -> None:
-        """Run jobs as long as ``next_overrides()`` gives some: each starts the moment a slot (its GPUs or
-        cores) is free, and ``finished(idx, job_return)`` is called as each ends, in the order they end.
-        For asynchronous sweepers (``hydra/sweeper=distsync_optuna``); ``max_jobs`` bounds how many jobs
-        there can be, for the split of the devices. With ``n_jobs=1`` the jobs run one after the other here.
+        """Run jobs as long as ``next_job()`` gives one, ``(job number, overrides)``: each starts the moment
+        a slot (its GPUs or cores) is free, and ``finished(number, job_return)`` is called as each ends, in
+        the order they end. For asynchronous sweepers (``hydra/sweeper=distsync_optuna``, whose job numbers
+        are its trials' numbers); ``max_jobs`` bounds how many jobs there can be, for the split of the
+        devices. With ``n_jobs=1`` the jobs run one after the other here.
+
+        A job's config is composed in the job's own process, so that jobs ending together start again
+        together. Ctrl-C or SIGTERM stops the running jobs and raises ``SystemExit(128 + signal)``; a job it
+        stopped is not reported to ``finished``: it did not end, it was interrupted.
         """
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
         from distsync.launching.elastic import check_options
 
         try:
-            check_options(**self._options_for(initial_job_idx))
+            check_options(**self._options_for(0))
             slots = self._slots(max_jobs)
         except ValueError as error:
             raise ConfigCompositionException(f"hydra.launcher: {error}") from None
         setup_globals()
         configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-        counter = itertools.count(initial_job_idx)
         if slots is None:
-            while (overrides := next_overrides()) is not None:
-                idx = next(counter)
-                log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
+            while (job := next_job()) is not None:
+                idx, overrides = job
+                log.info(f"\t#{idx} : {' '.join(_shown(overrides))}")
                 finished(idx, self._run_job(idx, self._sweep_config(idx, overrides), None))
                 configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
             return
@@ -143,21 +152,24 @@ class TorchrunLauncher(Launcher):
         log.info(f"Launching jobs as {len(slots)} slots free, each a torchrun world on its own {where}")
         launched: dict[int, Sequence[str]] = {}
 
-        def next_job():
-            overrides = next_overrides()
-            if overrides is None:
+        def next_packed_job():
+            job = next_job()
+            if job is None:
                 return None
-            idx = next(counter)
+            idx, overrides = job
             launched[idx] = overrides
-            return idx, functools.partial(self._run_job, idx, self._sweep_config(idx, overrides))
+            return idx, functools.partial(self._compose_and_run_job, idx, overrides)
 
         def started(idx: int, slot) -> None:
-            log.info(f"\t#{idx} : {' '.join(filter_overrides(launched[idx]))} on {slot}")
+            log.info(f"\t#{idx} : {' '.join(_shown(launched[idx]))} on {slot}")
 
         def ended(idx: int, how) -> None:
             finished(idx, _job_return(launched.pop(idx), how))
 
-        run_as_slots_free(next_job, slots, started, ended)
+        run_as_slots_free(next_packed_job, slots, started, ended)
+
+    def _compose_and_run_job(self, idx: int, overrides: Sequence[str], devices) -> JobReturn:
+        return self._run_job(idx, self._sweep_config(idx, overrides), devices)
 
     def _sweep_config(self, idx: int, overrides) -> DictConfig:
         assert self.config is not None and self.hydra_context is not None
@@ -201,7 +213,7 @@ class TorchrunLauncher(Launcher):
                 "nnodes=1 and no rdzv_endpoint (with several nodes, run one world per job)"
             )
         visible = this_process_devices()
-        nproc = options.get("nproc_per_node", 1)
+        nproc = options.get("nproc_per_node") or 1  # unset: one rank's devices, the app's world in them
         if not str(nproc).isdigit():
             raise ValueError(f"n_jobs={n_jobs} needs nproc_per_node as a number, got {nproc!r}")
         slots = split_devices(visible, int(nproc), n_jobs, jobs=jobs)
@@ -221,7 +233,7 @@ class TorchrunLauncher(Launcher):
 
         def started(k: int, slot) -> None:
             idx, overrides = jobs[k]
-            log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))} on {slot}")
+            log.info(f"\t#{idx} : {' '.join(_shown(overrides))} on {slot}")
 
         ended = run_packed(
             [
@@ -240,6 +252,21 @@ class TorchrunLauncher(Launcher):
         if options.get("rdzv_id"):
             options["rdzv_id"] = f"{options['rdzv_id']}-{idx}"
         return options
+
+
+def _shown(overrides: Sequence[str]) -> list[str]:
+    """The overrides of a job as the console lists them: without Hydra's own (``hydra.``, ``+hydra.``)."""
+    return [o for o in overrides if not o.lstrip("+~").startswith("hydra.")]
+
+
+def _import_the_agent() -> None:
+    """What :func:`distsync.launch` imports as it starts a world: torch's elastic agent and distsync's side
+    of it (a tenth of a second and more, which every packed job would otherwise pay before its world)."""
+    import torch.distributed.launcher.api  # noqa: F401
+
+    import distsync.launching.agent  # noqa: F401
+    import distsync.launching.local_rendezvous  # noqa: F401
+    import distsync.launching.worker  # noqa: F401
 
 
 def _job_return(overrides, end) -> JobReturn:
