@@ -20,6 +20,8 @@ from launching import copy_example_app, job_env, run_job
 from distsync.launching.devices import DeviceSet, crowding
 from distsync.launching.packing import run_packed
 
+ROOT = Path(__file__).resolve().parents[1]
+
 SLOTS = [DeviceSet("cpu", (0,)), DeviceSet("cpu", (1,))]
 
 
