@@ -5,9 +5,10 @@ nccl on GPUs), ``prepare_model`` wraps the model in DDP, distsync synchronizes t
     python examples/recipes/ray_train.py            # 2 CPU workers on a local Ray cluster
     python examples/recipes/ray_train.py --gpus     # one GPU per worker
 
-Convert before ``prepare_model``, so that the DDP model Ray builds holds the synchronized layers, and pass
-``distsync.no_buffer_broadcast()`` to DDP: the synchronized layers' running statistics are equal on every
-rank by themselves.
+Convert before ``prepare_model``, so that the DDP model Ray builds holds the synchronized layers. Passing
+``distsync.no_buffer_broadcast()`` to DDP is optional: the synchronized layers' running statistics are equal
+on every rank by themselves and are left out of DDP's buffer broadcast either way; it turns the broadcast
+off for the model's other buffers too.
 """
 
 import argparse
