@@ -66,12 +66,15 @@ def sync_device() -> None:
         torch.cuda.synchronize()
 
 
-def time_interleaved(variants: dict[str, Callable[[], None]], budget: Budget) -> dict[str, list[float]]:
+def time_interleaved(
+    variants: dict[str, Callable[[], None]], budget: Budget, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, list[float]]:
     """Seconds per call of each variant, one entry per repetition, the slowest rank's time.
 
     Every repetition runs each variant once as a block of ``budget.inner`` calls, the order rotating from
     one repetition to the next so no variant always follows the same one. Every block starts on a barrier
-    (all ranks in lockstep) and its time is the maximum over the ranks.
+    (all ranks in lockstep) and its time is the maximum over the ranks. ``clock`` reads the time: wall
+    time by default; a benchmark of host cost passes a CPU-time clock of its own.
     """
     names = list(variants)
     for name in names:
@@ -84,11 +87,11 @@ def time_interleaved(variants: dict[str, Callable[[], None]], budget: Budget) ->
             fn = variants[names[index]]
             sync_device()
             dist.barrier()
-            start = time.perf_counter()
+            start = clock()
             for _ in range(budget.inner):
                 fn()
             sync_device()
-            times[index, rep] = (time.perf_counter() - start) / budget.inner
+            times[index, rep] = (clock() - start) / budget.inner
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     return {name: times[i].tolist() for i, name in enumerate(names)}
 

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import os
 import statistics
-import subprocess
-import tarfile
-import tempfile
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _revisions import extract
 
 
 def slot_gaps(jobs: list[dict]) -> list[float]:
@@ -43,15 +40,7 @@ def log_time(line: str) -> float:
 def checkout_of(rev: str, into: Path) -> Path:
     """``distsync/`` and ``hydra_plugins/`` of git revision ``rev``, written under ``into``; the folder to
     put first on ``PYTHONPATH`` to run that revision (its plugins found first by Hydra's scan)."""
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", rev, "distsync", "hydra_plugins"], capture_output=True, check=True
-    ).stdout
-    with tempfile.TemporaryFile() as tar_file:
-        tar_file.write(archive)
-        tar_file.seek(0)
-        with tarfile.open(fileobj=tar_file) as tar:
-            tar.extractall(into, filter="data")
-    return into
+    return extract(rev, ["distsync", "hydra_plugins"], into)
 
 
 def env_running(checkout: Path, **extra: str) -> dict[str, str]:

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 import yaml
-from _job_starts import ROOT, checkout_of, describe, env_running, slot_gaps
+from _job_starts import checkout_of, describe, env_running, slot_gaps
+from _revisions import ROOT
 
 APP = ROOT / "tests" / "optuna_app.py"
 BASELINE = ROOT / "benchmarks" / "results" / "venv-hydra-optuna"

@@ -13,43 +13,20 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import re
-import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 
 import torch
 from _harness import Budget, device, median, median_ratio, ratio_quartiles, run_world, time_interleaved
+from _revisions import extract_base
 
-ROOT = Path(__file__).resolve().parents[1]
 CASES = [  # (input shape, dtype): the benchmark's headline layer rows and its fixed-cost shape
     ((8, 64, 8, 8), torch.float32),
     ((16, 64, 32, 32), torch.float32),
     ((16, 64, 32, 32), torch.bfloat16),
     ((2, 8, 2, 2), torch.float32),
 ]
-
-
-def extract_base(rev: str, into: Path) -> None:
-    """Write ``distsync/`` of ``rev`` to ``into/distsync_base``, its imports of itself renamed to match (older
-    revisions import their modules relatively, newer ones by ``distsync.``: both stay within the base)."""
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", rev, "distsync"], capture_output=True, check=True
-    ).stdout
-    with tempfile.TemporaryFile() as tar_file:
-        tar_file.write(archive)
-        tar_file.seek(0)
-        with tarfile.open(fileobj=tar_file) as tar:
-            tar.extractall(into, filter="data")
-    (into / "distsync").rename(into / "distsync_base")
-    for module in (into / "distsync_base").rglob("*.py"):
-        text = module.read_text()
-        renamed = re.sub(r"^(\s*)import distsync$", r"\1import distsync_base as distsync", text, flags=re.M)
-        renamed = re.sub(r"^(\s*)from distsync(?=[.\s])", r"\1from distsync_base", renamed, flags=re.M)
-        if renamed != text:
-            module.write_text(renamed)
 
 
 def _fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor):

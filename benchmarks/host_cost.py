@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from _harness import Budget, run_world
-from compare_versions import extract_base
+from _harness import Budget, run_world, time_interleaved
+from _revisions import extract_base
 from torch import nn
 
 CASES = [  # (input shape, dtype): the tiny fixed-cost shape, then the benchmark's headline layer shapes
@@ -60,6 +60,10 @@ class _CollectiveClock:
     def __exit__(self, *exc) -> None:
         dist.all_reduce = self._all_reduce
 
+    def host_time(self) -> float:
+        """This thread's CPU time so far, less what it spent inside the all-reduces."""
+        return time.thread_time() - self.inside
+
 
 def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, payload: torch.Tensor | None = None):
     def run() -> None:
@@ -72,27 +76,6 @@ def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, payload: tor
         x.grad = layer.weight.grad = layer.bias.grad = None
 
     return run
-
-
-def _host_seconds(variants: dict, budget: Budget, clock: _CollectiveClock) -> dict[str, list[float]]:
-    """Per variant and repetition: host CPU seconds per call outside the all-reduces (the slowest rank's)."""
-    names = list(variants)
-    for name in names:
-        for _ in range(budget.warmup):
-            variants[name]()
-    times = torch.zeros(len(names), budget.reps, dtype=torch.float64)
-    for rep in range(budget.reps):
-        shift = rep % len(names)
-        for index in list(range(shift, len(names))) + list(range(shift)):
-            run = variants[names[index]]
-            dist.barrier()
-            clock.inside = 0.0
-            start = time.thread_time()
-            for _ in range(budget.inner):
-                run()
-            times[index, rep] = (time.thread_time() - start - clock.inside) / budget.inner
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {name: times[i].tolist() for i, name in enumerate(names)}
 
 
 def measure(base_dir: str | None, quick: bool) -> list[dict]:
@@ -116,7 +99,7 @@ def measure(base_dir: str | None, quick: bool) -> list[dict]:
             small = shape[0] * shape[2] * shape[3] <= 512
             inner = (100 if small else 10) // (2 if quick else 1)
             budget = Budget(reps=5 if quick else 15, inner=inner, warmup=20)
-            times = _host_seconds(variants, budget, clock)
+            times = time_interleaved(variants, budget, clock.host_time)
             row = {"case": f"{shape} {str(dtype).removeprefix('torch.')}"}
             for name, values in times.items():
                 row[name] = statistics.median(values)

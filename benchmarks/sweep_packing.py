@@ -25,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _job_starts import ROOT, checkout_of, describe, env_running, log_time, slot_gaps
+from _job_starts import checkout_of, describe, env_running, log_time, slot_gaps
+from _revisions import ROOT
 
 
 def run_sweep(app: Path, checkout: Path, n_jobs: int, steps: int, jobs: int) -> tuple[float, list[float]]:

@@ -151,6 +151,17 @@ def _record_layer(
             raise AssertionError("num_batches_tracked differs from the reference")
 
 
+def _steps(case: Case, gen: torch.Generator, reference: nn.Module, layer: nn.Module):
+    """The steps of ``case``: ``case.steps`` in training, then one in eval mode, both layers switched to it
+    first. Yields the step's prefix for the names of its errors, whether it trains, and its global batch
+    and output gradient."""
+    for step in range(case.steps + 1):
+        training = step < case.steps
+        reference.train(training)
+        layer.train(training)
+        yield ("" if training else "eval "), training, *_global_batch(case, gen)
+
+
 def run_case(case: Case, rank: int, seed: int = 0, device: str = "cpu") -> dict[str, float]:
     """Run ``case`` on this rank of the current world; return the worst relative errors by quantity.
 
@@ -161,12 +172,7 @@ def run_case(case: Case, rank: int, seed: int = 0, device: str = "cpu") -> dict[
     begin = sum(case.sizes[:rank])
     local = slice(begin, begin + case.sizes[rank])
     errors: dict[str, float] = {}
-    for step in range(case.steps + 1):
-        training = step < case.steps
-        prefix = "" if training else "eval "
-        reference.train(training)
-        layer.train(training)
-        global_x, global_dy = _global_batch(case, gen)
+    for prefix, training, global_x, global_dy in _steps(case, gen, reference, layer):
         # Like nn.SyncBatchNorm, eval without running statistics normalizes each rank's own batch.
         own_batch = not training and not case.track_running_stats
         if own_batch and case.sizes[rank] * math.prod(case.shape[1:]) <= 1:
@@ -240,12 +246,7 @@ def run_shim_case(case: Case, seed: int = 0) -> dict[str, float]:
         _check_output(x, out, memory_format)
         return out.detach(), x.grad
 
-    for step in range(case.steps + 1):
-        training = step < case.steps
-        prefix = "" if training else "eval "
-        reference.train(training)
-        layer.train(training)
-        global_x, global_dy = _global_batch(case, gen)
+    for prefix, training, global_x, global_dy in _steps(case, gen, reference, layer):
         chunks, dy_chunks = global_x.split(case.sizes), global_dy.split(case.sizes)
         own_batch = not training and not case.track_running_stats  # each copy normalizes its own chunk
         if own_batch and min(case.sizes) * math.prod(case.shape[1:]) <= 1:

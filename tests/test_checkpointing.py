@@ -48,20 +48,27 @@ class _Net(nn.Module):
         return self.head(x)
 
 
+def _train_steps(run, model, rank, steps):
+    """``steps`` steps of ``run`` (``model`` or its compiled form) on batches of the rank's own size: each
+    step's output, input gradient and parameter gradients."""
+    results = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(10 * step + rank)
+        x = (torch.randn(2 + rank, 3, 6, 6, generator=gen) * 3 + 1).requires_grad_()
+        out = run(x)
+        out.square().sum().backward()
+        results.append([out.detach(), x.grad, *(p.grad.clone() for p in model.parameters())])
+        model.zero_grad()
+    return results
+
+
 def _steps(rank, world_size, use_checkpoint, cuda_path=False, steps=3, policy=None):
     if cuda_path:  # the CUDA path's code on CPU tensors: the recomputed call found on the "device"
         with cuda_path_on_cpu():
             return _steps(rank, world_size, use_checkpoint, False, steps, policy)
     with counted_all_reduces() as calls:
         model = _Net(use_checkpoint, _POLICIES[policy]() if policy else None)
-        results = []
-        for step in range(steps):
-            gen = torch.Generator().manual_seed(10 * step + rank)
-            x = (torch.randn(2 + rank, 3, 6, 6, generator=gen) * 3 + 1).requires_grad_()
-            out = model(x)
-            out.square().sum().backward()
-            results.append([out.detach(), x.grad, *(p.grad.clone() for p in model.parameters())])
-            model.zero_grad()
+        results = _train_steps(model, model, rank, steps)
         # ActNorm2d's own call counter counts the recomputation too, as its forward says: left out
         buffers = [b.clone() for name, b in model.named_buffers() if name != "act.calls"]
         return results, buffers, len(calls)
@@ -322,14 +329,7 @@ def _compiled_selective_runs(rank, world_size):
         torch.manual_seed(0)
         model = _Net(bool(policy), _POLICIES[policy]() if policy else None)
         compiled = torch.compile(model, backend="aot_eager")
-        results = []
-        for step in range(2):
-            gen = torch.Generator().manual_seed(10 * step + rank)
-            x = (torch.randn(2 + rank, 3, 6, 6, generator=gen) * 3 + 1).requires_grad_()
-            out = compiled(x)
-            out.square().sum().backward()
-            results.append([out.detach(), x.grad, *(p.grad.clone() for p in model.parameters())])
-            model.zero_grad()
+        results = _train_steps(compiled, model, rank, 2)
         runs[policy] = results, [b.clone() for name, b in model.named_buffers() if name != "act.calls"]
     return runs
 
