@@ -1,5 +1,6 @@
-"""The Ray Train recipe of docs/your_app.md (examples/recipes/ray_train.py), run as a user runs it: two CPU
-workers of a local Ray cluster; skipped where ray[train] is not installed."""
+"""Ray Train, run as a user runs it on 2 CPU workers of a local Ray cluster: the recipe of docs/your_app.md
+(examples/recipes/ray_train.py), and an out-of-step worker under prepare_model's defaults; skipped where
+ray[train] is not installed."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def test_ray_train_recipe_trains_with_synchronized_statistics(tmp_path):
     assert any(abs(w - 1.0) > 1e-4 for w in ranks[0]["weight"])  # and it trained
 
 
-_OUT_OF_STEP = '''
-import datetime, json, sys
+_OUT_OF_STEP = """
+import json, sys
 import ray.train, ray.train.torch, torch
 from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
@@ -60,7 +61,7 @@ TorchTrainer(
     torch_config=TorchConfig(timeout_s=60),  # a hang would fail in a minute, not 30
     run_config=RunConfig(storage_path=sys.argv[1], name="out-of-step"),
 ).fit()
-'''
+"""
 
 
 @pytest.mark.slow
