@@ -19,6 +19,7 @@ import functools
 import importlib
 import json
 import os
+import sys
 from typing import Any
 
 import torch
@@ -69,15 +70,19 @@ def report_result(value: Any) -> None:
     that is not float-castable. The sweeper tells the study the value its job returns; this record counts
     only when the sweep was killed before it could: resumed, it tells the trial finished with it.
     :func:`distsync.launch` calls it with rank 0's return value; call it yourself where the value is known
-    well before the task returns (a long teardown after it)."""
-    trial = _trial()
-    if trial is None or _rank() != 0:
-        return
+    well before the task returns (a long teardown after it). Failing to record it (the study's storage
+    unreachable) fails nothing: it says so on stderr, and the sweeper still tells the study the value the
+    job returns."""
     try:
         values = [float(v) for v in (value if isinstance(value, list | tuple) else [value])]
     except (TypeError, ValueError):
         return  # the sweeper says what is wrong with it when the job returns it
-    trial.set_user_attr(RESULT, values)
+    try:
+        trial = _trial()
+        if trial is not None and _rank() == 0:
+            trial.set_user_attr(RESULT, values)
+    except Exception as error:
+        print(f"distsync: could not record the trial's result in its study: {error!r}", file=sys.stderr)
 
 
 def _prunable(trial: Any) -> bool:

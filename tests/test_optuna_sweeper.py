@@ -461,3 +461,16 @@ def test_the_readme_optuna_command_on_the_example_app_maximizes_what_it_reports(
     completed = [t for t in study.trials if t.state.name == "COMPLETE"]
     results = yaml.safe_load((app / "sweep" / "optimization_results.yaml").read_text())
     assert results["best_value"] == max(t.value for t in completed)
+
+
+def test_a_result_the_study_cannot_take_is_said_and_fails_nothing(tmp_path, monkeypatch, capsys):
+    """The record of a trial's value is a back-up of what the sweeper tells the study: a storage that cannot
+    be reached (here a database file in a folder that does not exist) is said on stderr, and the job that
+    recorded it, the packaged trainer or distsync.launch's rank 0, goes on."""
+    from distsync import tuning
+
+    monkeypatch.setenv(tuning.STORAGE, f"sqlite:///{tmp_path / 'missing' / 'study.db'}")
+    monkeypatch.setenv(tuning.STUDY, "nowhere")
+    monkeypatch.setenv(tuning.TRIAL, "0")
+    tuning.report_result(0.5)
+    assert "could not record the trial's result in its study" in capsys.readouterr().err

@@ -352,7 +352,7 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
             fn = fn.resolve()
         result = rank, fn(cfg)
         if rank == 0:
-            _record_trial_result(result[1])
+            report_result(result[1])
         try:  # the agent's queue pickles it after this returns: fail here instead
             ForkingPickler.dumps(result)
         except (pickle.PicklingError, TypeError, AttributeError):
@@ -391,16 +391,6 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
         raise
     _exit_code[0] = 0
     return result
-
-
-def _record_trial_result(value: Any) -> None:
-    """In a ``distsync_optuna`` trial, rank 0's value into the trial at once: a sweep killed from now on
-    still counts the trial as finished when it resumes. Failing to record it fails nothing: the sweeper
-    tells the study the value the job returns."""
-    try:
-        report_result(value)
-    except Exception as error:
-        print(f"distsync: could not record the trial's result in its study: {error!r}", file=sys.stderr)
 
 
 # What torch's elastic agent sets for each worker (LocalElasticAgent._start_workers, and the error file of
