@@ -45,6 +45,29 @@ def test_a_failing_worker_raises_launch_error_naming_it(monkeypatch):
     assert list(caught.value.failures) == [1]
 
 
+def test_a_library_that_imports_only_in_the_launching_process_leaves_the_fork_server_running(tmp_path):
+    """The fork server imports the libraries the launching process imported; one that raises in a fresh
+    interpreter (here: unless the launching process set it up; torchvision's ops beside a CPU torch) is
+    left to the workers that need it. Before: the server died on its RuntimeError and the launch failed
+    with ``EOFError: unexpected EOF``."""
+    library = tmp_path / "site-packages" / "picky_library.py"
+    library.parent.mkdir()
+    library.write_text(
+        "import sys\n"
+        "if not getattr(sys, 'picky_library_allowed', False):\n"
+        "    raise RuntimeError('picky_library imports only where it was set up')\n"
+    )
+    code = (  # importable everywhere (PYTHONPATH), but set up only here
+        f"import os, sys; os.environ['PYTHONPATH'] = {str(library.parent)!r}\n"
+        f"sys.path.insert(0, {str(library.parent)!r}); sys.picky_library_allowed = True\n"
+        "import picky_library, elastic_fns\n"
+        "elastic_fns.launch_and_print('rank_and_config', None, nproc_per_node=2)\n"
+    )
+    proc = run_job([sys.executable, "-c", code], cwd=Path(__file__).parent, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "result (0, 2, None)"
+
+
 @pytest.mark.parametrize(("fn", "expected"), [("keep_until_exit", "result 0"), ("fail_holding", "failed [")])
 def test_workers_end_without_interpreter_teardown(fn, expected):
     """A worker ends once its result or error is reported: a release that would block in interpreter
@@ -181,6 +204,23 @@ def test_a_config_only_multiprocessing_may_pickle_still_reaches_the_workers(monk
     queue = multiprocessing.get_context("spawn").Queue()
     assert distsync.launch(put_rank, queue, nproc_per_node=2) == "put"
     assert sorted(queue.get(timeout=60) for _ in range(2)) == [0, 1]
+
+
+def test_a_function_sent_by_value_still_takes_a_config_only_multiprocessing_may_pickle():
+    """``python -c`` (a notebook alike): the function goes by value, the queue is left to multiprocessing.
+    Before: cloudpickle met the queue's refusal and the launch raised RuntimeError."""
+    code = (
+        "import multiprocessing, os, distsync\n"
+        "def put_rank(queue):\n"
+        "    queue.put(int(os.environ['RANK']))\n"
+        "    return 'put'\n"
+        "queue = multiprocessing.get_context('spawn').Queue()\n"
+        "result = distsync.launch(put_rank, queue, nproc_per_node=2)\n"
+        "print(result, sorted(queue.get(timeout=60) for _ in range(2)))\n"
+    )
+    proc = run_job([sys.executable, "-c", code], cwd=Path(__file__).parent, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "put [0, 1]"
 
 
 def test_exit_handlers_of_the_workers_still_run(tmp_path, monkeypatch):

@@ -13,13 +13,17 @@ from pathlib import Path
 import pytest
 from leftover_processes import alive, running_descendants
 
+from distsync.testing import timeout_scale
+
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
 
 def _wait_gone(pids: list[int], seconds: float) -> list[int]:
-    deadline = time.monotonic() + seconds
+    """Those of ``pids`` still alive after ``seconds`` (longer on a loaded machine: a dying worker's
+    lifeline thread waits for a core like everything else)."""
+    deadline = time.monotonic() + seconds * timeout_scale()
     while time.monotonic() < deadline:
         running = [p for p in pids if alive(p)]
         if not running:

@@ -48,6 +48,8 @@ _MULTI_NODE_RDZV_TIMEOUT_S = 900  # agents of a multi-node job may start minutes
 _RDZV_TIMEOUT_S = 600  # torch's default for every rendezvous backend
 _START_METHODS = ("spawn", "fork", "forkserver")
 _WORKER_MODULE = "distsync.launching.worker"  # what each worker imports first
+# what the fork server imports (fork_server.py reads it there; importing that module here would block SIGTERM)
+_FORK_SERVER_IMPORTS = "DISTSYNC_FORK_SERVER_IMPORTS"
 
 log = logging.getLogger(__name__)
 
@@ -421,7 +423,8 @@ def start_fork_server() -> None:
     )
     libraries.append(_WORKER_MODULE)  # every worker runs it: distsync itself, installed or not
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["distsync.launching.fork_server", *libraries])
+    # The server imports the libraries in fork_server.py, where one that fails to import cannot kill it.
+    context.set_forkserver_preload(["distsync.launching.fork_server"])
     from multiprocessing import forkserver, resource_tracker
 
     # A SIGTERM to every process of the job must not end the server: it starts with SIGTERM blocked (see
@@ -429,9 +432,11 @@ def start_fork_server() -> None:
     # itself, is started first: starting it unblocks SIGTERM in this thread.
     resource_tracker.ensure_running()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    os.environ[_FORK_SERVER_IMPORTS] = ",".join(libraries)  # the server's environment: this one, as it starts
     try:
         forkserver.ensure_running()
     finally:
+        os.environ.pop(_FORK_SERVER_IMPORTS, None)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 

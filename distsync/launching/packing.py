@@ -133,7 +133,10 @@ def run_as_slots_free(
                 break
             for reader in wait([*running, *outputs]):
                 if isinstance(reader, int):
-                    _relay(outputs, reader)
+                    # (a pipe relayed to its end while an ended job was collected, earlier in this round,
+                    # is gone: seen on a loaded machine, where the launcher raised KeyError)
+                    if reader in outputs:
+                        _relay(outputs, reader)
                     continue
                 k, proc, slot = running.pop(reader)  # type: ignore[call-overload]
                 how = _collect(reader, proc, lambda: _relay_ready(outputs, 0.05))  # type: ignore[arg-type]

@@ -81,18 +81,20 @@ def pack(fn: Callable, cfg: Any) -> Pickled | tuple[Any, Any]:
     workers cannot import (``python -c``, ``python - < script``, a notebook), or that this process itself
     received by value (a task function and its config dataclass in a job of Hydra's submitit launcher).
     A ``cfg`` holding objects that only multiprocessing may pickle, as it starts a worker (a ``Queue``),
-    is left to multiprocessing.
+    is left to multiprocessing (``fn`` then travels on its own, by value if it must).
     """
-    if main_is_importable():
-        sent = _by_reference(fn)
-        if sent is not None:
-            try:
-                return Pickled(pickle.dumps((sent, cfg)))
-            except (pickle.PicklingError, TypeError, AttributeError):
-                pass
-            except RuntimeError:  # "... should only be shared between processes through inheritance"
-                return sent, cfg
-    return by_value((fn, cfg), f"{fn!r} and its config")
+    sent = _by_reference(fn) if main_is_importable() else None
+    if sent is not None:
+        try:
+            return Pickled(pickle.dumps((sent, cfg)))
+        except (pickle.PicklingError, TypeError, AttributeError):
+            pass
+        except RuntimeError:  # "... should only be shared between processes through inheritance"
+            return sent, cfg
+    try:
+        return by_value((fn, cfg), f"{fn!r} and its config")
+    except RuntimeError:  # as above: cloudpickle meets the same refusal
+        return by_value(fn, repr(fn)), cfg
 
 
 def by_value(obj: Any, what: str) -> Pickled:
@@ -348,6 +350,8 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
         import_main(setup.main)  # the launching script, imported now that RANK is set
         setup.restore(rank)
         fn, cfg = sent.unpack() if isinstance(sent, Pickled) else sent
+        if isinstance(fn, Pickled):  # sent by value apart from a config that only multiprocessing pickles
+            fn = fn.unpack()
         if isinstance(fn, _FunctionRef):
             fn = fn.resolve()
         result = rank, fn(cfg)
