@@ -1,3 +1,4 @@
+import collections
 import warnings
 
 import _vision
@@ -12,12 +13,21 @@ _WATCHING = leftover_processes.watch()  # orphans of the tests' processes become
 
 
 def pytest_collection_modifyitems(config, items):
+    _files_with_most_end_to_end_runs_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def _files_with_most_end_to_end_runs_first(items):
+    """Files ordered by how many of their tests are marked slow (the end-to-end runs), most first, each
+    file's tests kept in order: a parallel run (``-n``, one file per process at a time) then starts the
+    long files at once instead of leaving one of them to run alone at the end."""
+    slow = collections.Counter(item.path for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.path])
 
 
 @pytest.fixture(autouse=True)

@@ -5,6 +5,11 @@ compiled model runs each synchronized call eagerly between graphs: the same resu
 refuses the model instead of compiling something else.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from bn_subclasses import ActNorm2d
@@ -121,8 +126,15 @@ def _trains_without_dynamo(rank, world_size):
 
 
 def test_eager_training_never_imports_dynamo():
-    """Importing dynamo costs seconds in every rank: only compiling may do it."""
-    assert run_world(_trains_without_dynamo, 2) == [False, False]
+    """Importing dynamo costs seconds in every rank: only compiling may do it.
+
+    The world starts from a fresh interpreter: this process's fork server may have been started (by a
+    launch test run in the same process before) with dynamo among its preloaded libraries."""
+    code = "import test_compile as m, distsync.testing as t; print(t.run_world(m._trains_without_dynamo, 2))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "[False, False]"
 
 
 def _fullgraph_refused(rank, world_size):
