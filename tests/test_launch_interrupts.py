@@ -40,21 +40,34 @@ def test_sigterm_stops_the_whole_sweep_and_leaves_the_job_resumable(tmp_path):
     assert summary(sweep / "1")["resumed_from_step"] is None
 
 
+# No periodic checkpoint, no evaluation until the end: an interrupted run can only resume from what the
+# signal made it save.
+INTERRUPTIBLE = [
+    "trainer.max_steps=400",
+    "trainer.log_every=5",
+    "trainer.eval_every=1000",
+    "trainer.monitor_interval=0.2",
+    "trainer.checkpoint_every=1000",
+]
+
+
+@pytest.fixture(scope="module")
+def never_interrupted(tmp_path_factory) -> dict:
+    """The summary of that job run straight through, once for the file: what every interrupted and resumed
+    run of it must end with."""
+    where = tmp_path_factory.mktemp("straight")
+    args = [sys.executable, str(SCRIPT), f"hydra.run.dir={where / 'run'}", *INTERRUPTIBLE]
+    assert run_job(args, where).returncode == 0
+    return summary(where / "run")
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 @pytest.mark.slow
-def test_an_interrupt_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, signum):
+def test_an_interrupt_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, signum, never_interrupted):
     """Ctrl-C or a scheduler's SIGTERM: every rank saves the step it reached (no periodic checkpoint here),
     and the same run directory then finishes with the numbers of a run that was never interrupted."""
-    job = [
-        "trainer.max_steps=400",
-        "trainer.log_every=5",
-        "trainer.eval_every=1000",
-        "trainer.monitor_interval=0.2",
-    ]
-    job.append("trainer.checkpoint_every=1000")
-    straight, run_dir = tmp_path / "straight", tmp_path / "run"
-    assert run_job([sys.executable, str(SCRIPT), f"hydra.run.dir={straight}", *job], tmp_path).returncode == 0
-    args = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", *job]
+    run_dir = tmp_path / "run"
+    args = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", *INTERRUPTIBLE]
     with (tmp_path / "err").open("w") as err:
         proc = subprocess.Popen(args, cwd=tmp_path, env=job_env(), stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + 120
@@ -71,7 +84,7 @@ def test_an_interrupt_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, s
         in (run_dir / "logs" / "rank1.log").read_text()
     )
     assert run_job(args, tmp_path).returncode == 0
-    resumed, reference = summary(run_dir), summary(straight)
+    resumed, reference = summary(run_dir), never_interrupted
     assert resumed["resumed_from_step"] == step and resumed["steps"] == 400
     for key in ("final_loss", "accuracy", "eval_loss"):
         assert resumed[key] == reference[key], key
