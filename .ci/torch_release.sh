@@ -52,7 +52,7 @@ print('Python', platform.python_version(), '| torch', torch.__version__, '| torc
 echo "installed in $((SECONDS - started)) s"
 
 python -m distsync.check --nproc 2
-python -m pytest -q -n 4 -p no:cacheprovider \
+python -m pytest -q -p no:cacheprovider \
     tests/test_batchnorm.py tests/test_accuracy.py tests/test_convert.py tests/test_subclass.py \
     tests/test_layer_semantics.py tests/test_identity.py tests/test_libraries.py tests/test_private_apis.py \
     tests/test_ddp.py tests/test_compile.py tests/test_checkpointing.py tests/test_recipes.py tests/test_cuda_trace.py \
