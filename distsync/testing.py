@@ -76,9 +76,9 @@ def _entry(
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-        # Every rank's gloo mesh is connected before any rank goes on: a rank that finishes its own side of
-        # the handshake first could otherwise run a ``fn`` without collectives and exit while a peer, slowed
-        # by a loaded machine, still reads it ("Connection closed by peer" in that peer's init).
+        # No rank goes on before every rank is through its init: one that got through first could otherwise
+        # run a ``fn`` without collectives and exit (rank 0 taking the store with it) while a peer slowed by
+        # a loaded machine is still connecting ("Connection closed by peer" / "Failed to recv" in its init).
         dist.barrier(device_ids=[rank] if backend == "nccl" else None)
         # Serialized here: tensors put on a queue as-is are shared through this process, which exits soon.
         buffer = io.BytesIO()
