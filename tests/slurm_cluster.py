@@ -120,7 +120,7 @@ class SlurmCluster:
             self._wait(self._controller_answers, timeout, "slurmctld does not answer")
             for node in NODES:
                 self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
-            self._wait(self._nodes_idle, timeout * _timeout_scale(), "the nodes did not become idle")
+            self._wait(self.nodes_idle, timeout * _timeout_scale(), "the nodes did not become idle")
         except ClusterUnavailable:
             self.stop()
             raise
@@ -186,8 +186,28 @@ class SlurmCluster:
             if fields.get("JobState") in states:
                 return fields
             if time.monotonic() > deadline:
-                raise TimeoutError(f"job {job_id} is {fields.get('JobState')}, not {'/'.join(states)}")
+                raise TimeoutError(
+                    f"job {job_id} is {fields.get('JobState')}, not {'/'.join(states)}\n{self.state_report()}"
+                )
             time.sleep(0.25)
+
+    def state_report(self, log_lines: int = 25) -> str:
+        """What the controller and the nodes say now (every job, every node, the daemons' last log lines):
+        the text a test attaches to a timeout, as the cluster's files go with the session's end."""
+        parts = []
+        for args in (
+            ("scontrol", "show", "job", "--details"),
+            ("scontrol", "show", "node"),
+            ("sinfo", "-N", "-l"),
+        ):
+            try:
+                proc = self.run(*args, check=False, timeout=30)
+                parts.append(f"$ {' '.join(args)}\n{proc.stdout.strip()}{proc.stderr.strip()}")
+            except subprocess.TimeoutExpired:
+                parts.append(f"$ {' '.join(args)}: no answer in 30 s")
+        parts.append(f"$ uptime: load {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+        parts.append(self._log_tails(log_lines))
+        return "\n".join(parts)
 
     def job_processes(self) -> list[int]:
         """The processes of every job step on this cluster's nodes (``scontrol listpids`` on each node)."""
@@ -307,10 +327,10 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
                 raise ClusterUnavailable(f"the local SLURM cluster did not start: {why}\n{self._log_tails()}")
             time.sleep(0.2)
 
-    def _log_tails(self) -> str:
+    def _log_tails(self, lines_each: int = 5) -> str:
         tails = []
         for path in sorted((self.root / "log").glob("*")):
-            lines = path.read_text(errors="replace").strip().splitlines()[-5:]
+            lines = path.read_text(errors="replace").strip().splitlines()[-lines_each:]
             if lines:
                 tails.append(f"{path.name}:\n  " + "\n  ".join(lines))
         return "\n".join(tails)
@@ -318,7 +338,8 @@ PartitionName=debug Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=U
     def _controller_answers(self) -> bool:
         return self.run("scontrol", "ping", check=False, timeout=30).stdout.count("UP") > 0
 
-    def _nodes_idle(self) -> bool:
+    def nodes_idle(self) -> bool:
+        """Every node idle: no job on it, none completing (a job's end is done on the nodes too)."""
         proc = self.run("sinfo", "--noheader", "--Node", "--format=%N %t", check=False, timeout=30)
         states = dict(line.split() for line in proc.stdout.splitlines() if line.strip())
         return all(states.get(node) == "idle" for node in NODES)

@@ -76,11 +76,12 @@ def train_steps(run_dir: Path) -> list[int]:
     return [row["step"] for row in rows if row["kind"] == "train"]
 
 
-def wait_until(condition, timeout: float, what: str) -> None:
+def wait_until(condition, timeout: float, what: str, cluster: SlurmCluster | None = None) -> None:
+    """Poll ``condition``; on timeout raise naming ``what``, with the cluster's own account of its state."""
     deadline = time.monotonic() + timeout * timeout_scale()
     while not condition():
         if time.monotonic() > deadline:
-            raise TimeoutError(what)
+            raise TimeoutError(what if cluster is None else f"{what}\n{cluster.state_report()}")
         time.sleep(0.2)
 
 
@@ -101,8 +102,18 @@ def processes_of(job_id: str) -> list[str]:
 
 def start_requeued_now(cluster: SlurmCluster, job_id: str) -> None:
     """Once the requeued job waits for its begin time (SLURM holds a requeued job for 2 minutes), start it
-    now, as an administrator may."""
-    wait_until(lambda: cluster.job(job_id).get("Reason") == "BeginTime", 90, "the job is not requeued")
+    now, as an administrator may: once its first run has ended on the nodes, and in a later second.
+
+    Each slurmd revokes the job's credential as it ends the first run, stamped with that second, and
+    refuses a credential created in the same second or before ("Killing non-startable batch job: Job
+    credential revoked"): that is what SLURM's hold is for. Started at once, a loaded node could still be
+    ending the first run when the controller signs the new credential.
+    """
+    wait_until(
+        lambda: cluster.job(job_id).get("Reason") == "BeginTime", 90, "the job is not requeued", cluster
+    )
+    wait_until(cluster.nodes_idle, 60, "the nodes are still ending the first run", cluster)
+    time.sleep(1.05 - time.time() % 1.0)  # into the next second: later than any revocation's stamp
     cluster.scontrol("update", f"JobId={job_id}", "StartTime=now")
 
 
@@ -124,7 +135,9 @@ def no_job_outlives_its_test(slurm_cluster):
     yield
     if slurm_cluster.run("squeue", "--noheader", "--format=%i", check=False).stdout.strip():
         slurm_cluster.run("scancel", "--partition=debug", check=False)
-    wait_until(lambda: not slurm_cluster.job_processes(), 60, "the jobs' processes outlive scancel")
+    wait_until(
+        lambda: not slurm_cluster.job_processes(), 60, "the jobs' processes outlive scancel", slurm_cluster
+    )
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +173,7 @@ def test_requeue_mid_training_resumes_to_the_same_bits(slurm_cluster, straight, 
     bit-identical to the run never interrupted."""
     job_id = submit(slurm_cluster, tmp_path, *TINY)
     run_dir = tmp_path / "outputs" / "slurm" / f"{job_id}.0"
-    wait_until(lambda: len(train_steps(run_dir)) >= 3, 120, "no training")
+    wait_until(lambda: len(train_steps(run_dir)) >= 3, 120, "no training", slurm_cluster)
     reached = train_steps(run_dir)[-1]
     slurm_cluster.scontrol("requeue", job_id)
     slurm_cluster.wait_for(job_id, ("PENDING",), timeout=60)
@@ -179,11 +192,11 @@ def test_scancel_leaves_no_process_and_the_printed_command_resumes(slurm_cluster
     the same bits."""
     job_id = submit(slurm_cluster, tmp_path, *TINY)
     run_dir = tmp_path / "outputs" / "slurm" / f"{job_id}.0"
-    wait_until(lambda: len(train_steps(run_dir)) >= 3, 120, "no training")
+    wait_until(lambda: len(train_steps(run_dir)) >= 3, 120, "no training", slurm_cluster)
     assert processes_of(job_id)
     cancelled = time.monotonic()
     slurm_cluster.run("scancel", job_id)
-    wait_until(lambda: not processes_of(job_id), 20, f"still running: {processes_of(job_id)}")
+    wait_until(lambda: not processes_of(job_id), 20, f"still running: {processes_of(job_id)}", slurm_cluster)
     gone_after = time.monotonic() - cancelled
     assert gone_after < 25, gone_after  # before SLURM's KillWait (30 s) would SIGKILL them
     slurm_cluster.wait_for(job_id, ("CANCELLED",), timeout=60)
@@ -207,7 +220,7 @@ def test_two_jobs_sharing_their_first_node_meet_apart(slurm_cluster, tmp_path):
     first_dir.mkdir(), second_dir.mkdir()
     first = submit(slurm_cluster, first_dir, *TINY, "trainer.max_steps=2000")
     first_run = first_dir / "outputs" / "slurm" / f"{first}.0"
-    wait_until(lambda: len(train_steps(first_run)) >= 2, 120, "the first job does not train")
+    wait_until(lambda: len(train_steps(first_run)) >= 2, 120, "the first job does not train", slurm_cluster)
     second = submit(slurm_cluster, second_dir, *TINY)
     second_run = second_dir / "outputs" / "slurm" / f"{second}.0"
     ends = {second: slurm_cluster.wait_for(second, ("COMPLETED", "FAILED", "CANCELLED"), 240)}
@@ -259,14 +272,26 @@ def test_signal_before_the_time_limit_saves_and_the_script_requeues_itself(slurm
     )  # fmt: skip
     run_dir = tmp_path / "outputs" / "slurm" / f"{job_id}.0"
     # SLURM checks time limits every 30 s: the signal comes 60 to 90 s after the start
-    wait_until(lambda: slurm_cluster.job(job_id).get("Restarts") == "1", 150, "the job was not requeued")
+    wait_until(
+        lambda: slurm_cluster.job(job_id).get("Restarts") == "1",
+        150,
+        "the job was not requeued",
+        slurm_cluster,
+    )
     log = output(tmp_path, job_id)
     assert "stopped by SIGTERM at step" in log, log[-3000:]
     step = max(int(p.stem.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*.pt"))
     assert train_steps(run_dir)[-1] == step, log[-3000:]  # saved at the step it stopped, none lost
     start_requeued_now(slurm_cluster, job_id)
     rank0 = run_dir / "logs" / "rank0.log"
-    wait_until(lambda: "resumed from" in rank0.read_text(), 120, "the requeued job did not resume")
+    ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+    wait_until(
+        lambda: "resumed from" in rank0.read_text() or slurm_cluster.job(job_id).get("JobState") in ended,
+        120,
+        "the requeued job did not resume",
+        slurm_cluster,
+    )
+    assert "resumed from" in rank0.read_text(), f"{slurm_cluster.state_report()}\n{output(tmp_path, job_id)}"
     assert f"step {step}" in [line for line in rank0.read_text().splitlines() if "resumed from" in line][-1]
     slurm_cluster.run("scancel", job_id)
     slurm_cluster.wait_for(job_id, ("CANCELLED",), timeout=60)
