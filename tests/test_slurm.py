@@ -37,6 +37,8 @@ TINY = [
 ]
 SMALL = ["--cpus-per-task=1"]  # the script asks for 4 cores per node: two jobs at once share these nodes
 
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")  # the states of a job that has ended
+
 
 def user_env(cluster: SlurmCluster) -> dict[str, str]:
     """A user's shell on the login node: this venv's python first on PATH, the cluster's SLURM_CONF."""
@@ -145,7 +147,7 @@ def straight(slurm_cluster, tmp_path_factory) -> Path:
     """The run directory of the job script run once without interruption (TINY)."""
     cwd = tmp_path_factory.mktemp("straight")
     job_id = submit(slurm_cluster, cwd, *TINY)
-    fields = slurm_cluster.wait_for(job_id, ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), timeout=240)
+    fields = slurm_cluster.wait_for(job_id, ENDED, timeout=240)
     assert fields["JobState"] == "COMPLETED", output(cwd, job_id)[-4000:]
     return cwd / "outputs" / "slurm" / f"{job_id}.0"
 
@@ -180,7 +182,7 @@ def test_requeue_mid_training_resumes_to_the_same_bits(slurm_cluster, straight, 
     saved = [int(p.stem.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*.pt")]
     assert saved and min(saved) >= reached, output(tmp_path, job_id)[-3000:]  # no logged step lost
     start_requeued_now(slurm_cluster, job_id)
-    fields = slurm_cluster.wait_for(job_id, ("COMPLETED", "FAILED", "CANCELLED"), timeout=240)
+    fields = slurm_cluster.wait_for(job_id, ENDED, timeout=240)
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", output(tmp_path, job_id)[-4000:]
     assert summary(run_dir)["resumed_from_step"] == min(saved)
     same_result(run_dir, straight)
@@ -223,9 +225,9 @@ def test_two_jobs_sharing_their_first_node_meet_apart(slurm_cluster, tmp_path):
     wait_until(lambda: len(train_steps(first_run)) >= 2, 120, "the first job does not train", slurm_cluster)
     second = submit(slurm_cluster, second_dir, *TINY)
     second_run = second_dir / "outputs" / "slurm" / f"{second}.0"
-    ends = {second: slurm_cluster.wait_for(second, ("COMPLETED", "FAILED", "CANCELLED"), 240)}
+    ends = {second: slurm_cluster.wait_for(second, ENDED, 240)}
     assert slurm_cluster.job(first)["JobState"] == "RUNNING"  # the second job ran while the first trained
-    ends[first] = slurm_cluster.wait_for(first, ("COMPLETED", "FAILED", "CANCELLED"), 240)
+    ends[first] = slurm_cluster.wait_for(first, ENDED, 240)
     for job, cwd, run in ((first, first_dir, first_run), (second, second_dir, second_run)):
         assert ends[job]["JobState"] == "COMPLETED", output(cwd, job)[-4000:]
         assert ends[job]["NodeList"] == "n[1-2]"
@@ -284,9 +286,8 @@ def test_signal_before_the_time_limit_saves_and_the_script_requeues_itself(slurm
     assert train_steps(run_dir)[-1] == step, log[-3000:]  # saved at the step it stopped, none lost
     start_requeued_now(slurm_cluster, job_id)
     rank0 = run_dir / "logs" / "rank0.log"
-    ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
     wait_until(
-        lambda: "resumed from" in rank0.read_text() or slurm_cluster.job(job_id).get("JobState") in ended,
+        lambda: "resumed from" in rank0.read_text() or slurm_cluster.job(job_id).get("JobState") in ENDED,
         120,
         "the requeued job did not resume",
         slurm_cluster,
@@ -305,7 +306,7 @@ def test_the_docs_app_script_runs_a_sweep_of_two_node_worlds(slurm_cluster, tmp_
         ROOT / "examples" / "hydra_app", app, ignore=shutil.ignore_patterns("outputs", "multirun")
     )
     job_id = submit(slurm_cluster, app, "steps=10", "lr=0.05,0.2", script=APP_SCRIPT)
-    fields = slurm_cluster.wait_for(job_id, ("COMPLETED", "FAILED", "CANCELLED"), timeout=300)
+    fields = slurm_cluster.wait_for(job_id, ENDED, timeout=300)
     log = (app / f"hydra-app-{job_id}.out").read_text(errors="replace")
     assert fields["JobState"] == "COMPLETED", log[-4000:]
     sweep = app / "outputs" / "slurm" / job_id
