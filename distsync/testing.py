@@ -6,6 +6,7 @@ import io
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -50,11 +51,19 @@ def timeout_scale() -> float:
 
 def _context() -> Any:
     """Where the worlds' processes come from: forked from a server that has imported torch once (a world
-    starts in well under a second rather than in two), else spawned where there is no forkserver."""
+    starts in well under a second rather than in two), else spawned where there is no forkserver.
+
+    The server also imports dynamo where this process has (a test suite, a script that compiles):
+    ``DistributedDataParallel`` and torch's optimizers import it when first built, about two seconds of
+    CPU in every rank otherwise. Where this process has not, neither does the server: an eager world
+    pays for dynamo only if its ranks use it."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed"])  # imported, nothing initialized
+    preload = ["torch", "torch.distributed"]  # imported, nothing initialized
+    if "torch._dynamo" in sys.modules:
+        preload.append("torch._dynamo")
+    context.set_forkserver_preload(preload)
     return context
 
 

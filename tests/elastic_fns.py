@@ -11,6 +11,14 @@ def rank_and_config(cfg):
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg
 
 
+def imported_before_the_worker(cfg):
+    """Whether the modules named in ``cfg`` were imported in another process (the fork server) than this
+    worker: each records the pid that imported it."""
+    import importlib
+
+    return [importlib.import_module(name).IMPORTED_BY != os.getpid() for name in cfg]
+
+
 def fail_on_rank_one(cfg):
     if int(os.environ["RANK"]) == 1:
         raise ValueError("rank one refuses")

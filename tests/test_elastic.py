@@ -68,6 +68,27 @@ def test_a_library_that_imports_only_in_the_launching_process_leaves_the_fork_se
     assert proc.stdout.strip().splitlines()[-1] == "result (0, 2, None)"
 
 
+def test_workers_start_with_the_modules_the_launching_process_imported(tmp_path):
+    """The fork server imports an installed library's modules one level down that the launching process
+    imported (torch._dynamo: DDP and torch's optimizers import it, about two seconds of CPU in each
+    worker), in the launching process's order; deeper ones are left to the workers that use them."""
+    site = tmp_path / "site-packages"
+    package = site / "probe_library"
+    (package / "inner").mkdir(parents=True)
+    record = "import os\nIMPORTED_BY = os.getpid()\n"
+    for module in ("__init__.py", "first.py", "inner/__init__.py", "inner/deep.py"):
+        (package / module).write_text(record)
+    code = (
+        f"import os, sys; os.environ['PYTHONPATH'] = {str(site)!r}; sys.path.insert(0, {str(site)!r})\n"
+        "import probe_library.first, probe_library.inner.deep, elastic_fns\n"
+        "names = ['probe_library', 'probe_library.first', 'probe_library.inner.deep']\n"
+        "elastic_fns.launch_and_print('imported_before_the_worker', names, nproc_per_node=2)\n"
+    )
+    proc = run_job([sys.executable, "-c", code], cwd=Path(__file__).parent, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "result [True, True, False]"
+
+
 @pytest.mark.parametrize(("fn", "expected"), [("keep_until_exit", "result 0"), ("fail_holding", "failed [")])
 def test_workers_end_without_interpreter_teardown(fn, expected):
     """A worker ends once its result or error is reported: a release that would block in interpreter

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -78,11 +79,15 @@ def train_steps(run_dir: Path) -> list[int]:
     return [row["step"] for row in rows if row["kind"] == "train"]
 
 
-def wait_until(condition, timeout: float, what: str, cluster: SlurmCluster | None = None) -> None:
-    """Poll ``condition``; on timeout raise naming ``what``, with the cluster's own account of its state."""
+def wait_until(
+    condition, timeout: float, what: str | Callable[[], str], cluster: SlurmCluster | None = None
+) -> None:
+    """Poll ``condition``; on timeout raise naming ``what`` (a callable: what it says then), with the
+    cluster's own account of its state."""
     deadline = time.monotonic() + timeout * timeout_scale()
     while not condition():
         if time.monotonic() > deadline:
+            what = what() if callable(what) else what
             raise TimeoutError(what if cluster is None else f"{what}\n{cluster.state_report()}")
         time.sleep(0.2)
 
@@ -198,7 +203,9 @@ def test_scancel_leaves_no_process_and_the_printed_command_resumes(slurm_cluster
     assert processes_of(job_id)
     cancelled = time.monotonic()
     slurm_cluster.run("scancel", job_id)
-    wait_until(lambda: not processes_of(job_id), 20, f"still running: {processes_of(job_id)}", slurm_cluster)
+    wait_until(
+        lambda: not processes_of(job_id), 20, lambda: f"still running: {processes_of(job_id)}", slurm_cluster
+    )
     gone_after = time.monotonic() - cancelled
     assert gone_after < 25, gone_after  # before SLURM's KillWait (30 s) would SIGKILL them
     slurm_cluster.wait_for(job_id, ("CANCELLED",), timeout=60)

@@ -78,3 +78,18 @@ def test_a_failure_is_said_as_it_happens_with_what_the_machine_has_left():
     assert len(said) == 1 and "AssertionError: the planted failure" in said[0], proc.stdout
     assert re.search(r"\[free disk [\d.]+ GiB in .*, memory available [\d.]+ GiB, load", said[0]), said[0]
     assert proc.stdout.index(said[0]) < proc.stdout.index("= FAILURES =")  # before pytest's own report
+
+
+def _dynamo_imported(rank, world_size):
+    return "torch._dynamo" in sys.modules
+
+
+def test_a_world_starts_with_dynamo_where_its_caller_had_imported_it():
+    """Its ranks are forked from a server that imported it once (a test suite: DDP and torch's optimizers
+    import it, about two seconds of CPU in every rank). The other side, a caller without dynamo and ranks
+    without it, is test_compile's test_eager_training_never_imports_dynamo."""
+    code = "import torch._dynamo, test_test_harness as m; print(m.testing.run_world(m._dynamo_imported, 2))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), *sys.path])}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "[True, True]"

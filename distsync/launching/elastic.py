@@ -416,11 +416,14 @@ def start_fork_server() -> None:
     overlap the sweep's setup, and the job processes of a packed sweep share one server."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return
-    libraries = sorted(
+    # The installed libraries and their first-level modules, in the order this process imported them: a
+    # worker needs what this process's checks of the job needed (torch._dynamo, which torch's optimizers
+    # and DDP import when first built, sklearn.datasets), and would otherwise import it again in every rank.
+    libraries = [
         name
         for name, module in list(sys.modules.items())
-        if "." not in name and _is_installed_library(module)
-    )
+        if name.count(".") <= 1 and _is_installed_library(module)
+    ]
     libraries.append(_WORKER_MODULE)  # every worker runs it: distsync itself, installed or not
     context = multiprocessing.get_context("forkserver")
     # The server imports the libraries in fork_server.py, where one that fails to import cannot kill it.
