@@ -71,7 +71,7 @@ def test_a_library_that_imports_only_in_the_launching_process_leaves_the_fork_se
 def test_workers_start_with_the_modules_the_launching_process_imported(tmp_path):
     """The fork server imports an installed library's modules one level down that the launching process
     imported (torch._dynamo: DDP and torch's optimizers import it, about two seconds of CPU in each
-    worker), in the launching process's order; deeper ones are left to the workers that use them."""
+    worker); deeper ones are left to the workers that use them."""
     site = tmp_path / "site-packages"
     package = site / "probe_library"
     (package / "inner").mkdir(parents=True)
