@@ -57,15 +57,9 @@ def test_a_library_that_imports_only_in_the_launching_process_leaves_the_fork_se
         "if not getattr(sys, 'picky_library_allowed', False):\n"
         "    raise RuntimeError('picky_library imports only where it was set up')\n"
     )
-    code = (  # importable everywhere (PYTHONPATH), but set up only here
-        f"import os, sys; os.environ['PYTHONPATH'] = {str(library.parent)!r}\n"
-        f"sys.path.insert(0, {str(library.parent)!r}); sys.picky_library_allowed = True\n"
-        "import picky_library, elastic_fns\n"
-        "elastic_fns.launch_and_print('rank_and_config', None, nproc_per_node=2)\n"
-    )
-    proc = run_job([sys.executable, "-c", code], cwd=Path(__file__).parent, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "result (0, 2, None)"
+    # importable everywhere, but set up only here
+    setup = _importable_everywhere(library.parent) + "sys.picky_library_allowed = True; import picky_library"
+    assert _launch_in_a_subprocess("rank_and_config", setup=setup, nproc_per_node=2) == "result (0, 2, None)"
 
 
 def test_workers_start_with_the_modules_the_launching_process_imported(tmp_path):
@@ -78,15 +72,10 @@ def test_workers_start_with_the_modules_the_launching_process_imported(tmp_path)
     record = "import os\nIMPORTED_BY = os.getpid()\n"
     for module in ("__init__.py", "first.py", "inner/__init__.py", "inner/deep.py"):
         (package / module).write_text(record)
-    code = (
-        f"import os, sys; os.environ['PYTHONPATH'] = {str(site)!r}; sys.path.insert(0, {str(site)!r})\n"
-        "import probe_library.first, probe_library.inner.deep, elastic_fns\n"
-        "names = ['probe_library', 'probe_library.first', 'probe_library.inner.deep']\n"
-        "elastic_fns.launch_and_print('imported_before_the_worker', names, nproc_per_node=2)\n"
-    )
-    proc = run_job([sys.executable, "-c", code], cwd=Path(__file__).parent, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "result [True, True, False]"
+    names = ["probe_library", "probe_library.first", "probe_library.inner.deep"]
+    setup = _importable_everywhere(site) + "import probe_library.first, probe_library.inner.deep"
+    line = _launch_in_a_subprocess("imported_before_the_worker", names, setup=setup, nproc_per_node=2)
+    assert line == "result [True, True, False]"
 
 
 @pytest.mark.parametrize(("fn", "expected"), [("keep_until_exit", "result 0"), ("fail_holding", "failed [")])
@@ -99,14 +88,19 @@ def test_workers_end_without_interpreter_teardown(fn, expected):
     assert proc.stdout.strip().splitlines()[-1].startswith(expected)
 
 
-def _launch_in_a_subprocess(name: str, cfg=None, timeout: float = 120, **options) -> str:
-    """The last line ``elastic_fns.launch_and_print`` prints, from a process of its own: a launch that
-    hangs fails the test at the timeout instead of holding up the tests, and fork starts from a fresh
-    process."""
-    code = f"import elastic_fns; elastic_fns.launch_and_print({name!r}, {cfg!r}, **{options!r})"
+def _launch_in_a_subprocess(name: str, cfg=None, timeout: float = 120, setup: str = "", **options) -> str:
+    """The last line ``elastic_fns.launch_and_print`` prints, from a process of its own (which runs the
+    code ``setup`` first): a launch that hangs fails the test at the timeout instead of holding up the
+    tests, and fork starts from a fresh process."""
+    code = f"{setup}\nimport elastic_fns; elastic_fns.launch_and_print({name!r}, {cfg!r}, **{options!r})"
     proc = run_job([sys.executable, "-c", code], cwd=Path(__file__).parent, timeout=timeout)
-    assert proc.returncode == 0
+    assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().splitlines()[-1]
+
+
+def _importable_everywhere(site: Path) -> str:
+    """Code that puts ``site`` on this process's path and on that of every process it starts."""
+    return f"import os, sys; os.environ['PYTHONPATH'] = {str(site)!r}; sys.path.insert(0, {str(site)!r})\n"
 
 
 _SYS_EXIT, _SYS_EXIT_0, _OS_EXIT_0 = {"how": "sys.exit"}, {"how": "sys.exit", "code": 0}, {"how": "os._exit"}
