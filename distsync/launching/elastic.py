@@ -418,7 +418,7 @@ def start_fork_server() -> None:
         return
     # The installed libraries and their first-level modules, in the order this process imported them: a
     # worker needs what this process's checks of the job needed (torch._dynamo, which torch's optimizers
-    # and DDP import when first built, sklearn.datasets), and would otherwise import it again in every rank.
+    # and DDP import when first built), and would otherwise import it again in every rank.
     libraries = [
         name
         for name, module in list(sys.modules.items())
