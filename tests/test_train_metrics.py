@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -120,11 +124,7 @@ def test_zero_losses_stay_on_the_plot():
     assert "linear below 0.01" in ax_loss.get_ylabel()
 
 
-def test_the_sweep_plot_labels_its_log_axis_without_crowding(tmp_path):
-    import matplotlib.pyplot as plt
-
-    from distsync.train.sweep import _plot
-
+def _sweep_jobs(tmp_path) -> list:
     jobs = []
     for job, scale in (("0", 1.0), ("1", 1.5)):
         (tmp_path / job).mkdir()
@@ -133,14 +133,53 @@ def test_the_sweep_plot_labels_its_log_axis_without_crowding(tmp_path):
             if row["kind"] == "train" and row["loss"] is not None:
                 log.write(kind="train", step=row["step"], loss=row["loss"] * scale)
         jobs.append(tmp_path / job)
-    opened = []
-    close = plt.close
-    with pytest.MonkeyPatch.context() as patch:  # keep the figure open to look at its labels
-        patch.setattr(plt, "close", opened.append)
-        _plot(tmp_path, jobs, ["lr=0.1", "lr=0.2"])
-    fig = opened[0]
-    fig.canvas.draw()
+    return jobs
+
+
+def test_the_sweep_plot_labels_its_log_axis_without_crowding(tmp_path):
+    from distsync.train.sweep import _plot, _sweep_figure
+
+    jobs = _sweep_jobs(tmp_path)
+    fig = _sweep_figure(jobs, ["lr=0.1", "lr=0.2"])
+    fig.draw_without_rendering()
     minor = [t.get_text() for t in fig.axes[0].yaxis.get_minorticklabels() if t.get_text()]
     assert minor and all(label.lstrip("0.").startswith(("2", "5")) for label in minor), minor
-    close(fig)
+    _plot(tmp_path, jobs, ["lr=0.1", "lr=0.2"])
     assert (tmp_path / "sweep_curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plotting_leaves_the_apps_matplotlib_backend_and_pyplot_alone(tmp_path):
+    """The curves are drawn in the user's processes (rank 0, the Hydra app that ran the sweep), which may
+    plot on their own: neither switching their backend nor importing pyplot there."""
+    code = (
+        "import sys, pathlib, matplotlib\n"
+        "from distsync.train.metrics import plot_curves\n"
+        "from distsync.train.sweep import _plot\n"
+        "import test_train_metrics as t\n"
+        "out = pathlib.Path(sys.argv[1])\n"
+        "plot_curves(t._rows(8), out / 'curves.png')\n"
+        "_plot(out, t._sweep_jobs(out), ['a', 'b'])\n"
+        "print(matplotlib.get_backend(), 'matplotlib.pyplot' in sys.modules)\n"
+    )
+    env = dict(
+        os.environ, MPLBACKEND="svg", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path])
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["svg", "False"]
+    for png in ("curves.png", "sweep_curves.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("steps", [[6], [5, 10, 15]])
+def test_the_step_axis_shows_whole_steps_even_for_one(steps):
+    rows = [{"kind": "train", "step": s, "loss": 1.0 / s} for s in steps]
+    rows += [{"kind": "eval", "step": steps[-1], "eval_loss": 0.5, "accuracy": 0.5}]
+    fig = curves_figure(rows)
+    fig.draw_without_rendering()
+    for ax in fig.axes:
+        low, high = ax.get_xlim()
+        shown = [t for t in ax.get_xticks() if low <= t <= high]
+        assert shown and all(t == int(t) for t in shown), shown

@@ -101,11 +101,7 @@ def finite_series(rows: list[dict], key: str, scale: float = 1.0) -> tuple[list,
 
 def plot_curves(rows: list[dict], path: str | os.PathLike, title: str = "") -> None:
     """Save :func:`curves_figure` of ``rows`` as a PNG at ``path``."""
-    import matplotlib.pyplot as plt
-
-    fig = curves_figure(rows, title)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    curves_figure(rows, title).savefig(path, dpi=100)
 
 
 ACCURACY_SPAN = 10.0
@@ -155,17 +151,18 @@ def loss_axis(ax, shown: list[float]) -> None:
 def curves_figure(rows: list[dict], title: str = ""):
     """Training and held-out loss (log axis) and held-out accuracy against the step, as a Figure.
 
-    Non-finite values are left out; curves with few points show a marker on each.
+    Non-finite values are left out; curves with few points show a marker on each. The figure is
+    matplotlib's ``Figure`` itself, not one of ``pyplot``'s: making it changes neither the process's
+    backend nor pyplot's list of open figures (an app that plots on its own keeps its window or notebook
+    output), and nothing needs closing.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
     train = [r for r in rows if r.get("kind") == "train"]
     evals = [r for r in rows if r.get("kind") == "eval"]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)  # one step range
+    fig = Figure(figsize=(10, 3.8))
+    ax_loss, ax_acc = fig.subplots(1, 2, sharex=True)  # one step range
 
     def plot(ax, steps, values, **kwargs):
         marker = "o" if len(steps) <= _MARKERS_UP_TO else None
@@ -186,7 +183,7 @@ def curves_figure(rows: list[dict], title: str = ""):
     ax_acc.set_ylim(max(0.0, min(lowest - 1.0, 100.0 - ACCURACY_SPAN)), 100.5)
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3, which="both")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 28.5
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # whole steps, one at least
     if title:
         fig.suptitle(title)
     fig.tight_layout()

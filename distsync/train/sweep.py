@@ -136,13 +136,18 @@ def _cell(value: Any) -> str:
 
 
 def _plot(sweep: Path, jobs: list[Path], labels: list[str]) -> None:
-    """Each job's training loss and held-out accuracy, one line per job, labelled by its own overrides."""
-    import matplotlib
+    """Save :func:`_sweep_figure` as ``sweep_curves.png`` in ``sweep``."""
+    _sweep_figure(jobs, labels).savefig(sweep / "sweep_curves.png", dpi=100)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
+def _sweep_figure(jobs: list[Path], labels: list[str]):
+    """Each job's training loss and held-out accuracy, one line per job, labelled by its own overrides: a
+    ``Figure`` of its own, as :func:`~distsync.train.metrics.curves_figure` makes (the sweep's process is
+    the user's app: its matplotlib backend and pyplot figures stay as they are)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4))
+    ax_loss, ax_acc = fig.subplots(1, 2, sharex=True)
     for job, label in zip(jobs, labels, strict=True):
         rows = MetricsLog(job / "metrics.jsonl", enabled=False).rows()
         train = finite_series([r for r in rows if r.get("kind") == "train"], "loss")
@@ -159,5 +164,4 @@ def _plot(sweep: Path, jobs: list[Path], labels: list[str]) -> None:
     if any(ax_loss.get_lines()):
         ax_loss.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(sweep / "sweep_curves.png", dpi=100)
-    plt.close(fig)
+    return fig
