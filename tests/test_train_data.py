@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import itertools
-import subprocess
 import sys
 
 import torch
+from launching import run_job
 
 from distsync.train import DataConfig
 from distsync.train import data as train_data
@@ -30,7 +30,7 @@ def test_digits_split_is_deterministic_and_stratified():
     assert torch.equal(again[1][0], test_x)
 
 
-def test_digits_are_scikit_learns_read_without_importing_it():
+def test_digits_are_scikit_learns_read_without_importing_it(tmp_path):
     """The launcher's check, the fork server and the ranks build the digits: none of them pays for
     importing sklearn.datasets (about 1.7 s of CPU), and the images and labels are load_digits' own."""
     code = (
@@ -44,7 +44,7 @@ def test_digits_are_scikit_learns_read_without_importing_it():
         "assert torch.equal(images, torch.as_tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16)\n"
         "assert torch.equal(labels, torch.as_tensor(bunch.target))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    proc = run_job([sys.executable, "-c", code], tmp_path)
     assert proc.returncode == 0, proc.stderr
 
 

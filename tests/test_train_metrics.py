@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launching import run_job
 
 from distsync.train.metrics import MetricsLog, curves_figure, plot_curves, write_json_atomic
 
@@ -161,12 +160,8 @@ def test_plotting_leaves_the_apps_matplotlib_backend_and_pyplot_alone(tmp_path):
         "_plot(out, t._sweep_jobs(out), ['a', 'b'])\n"
         "print(matplotlib.get_backend(), 'matplotlib.pyplot' in sys.modules)\n"
     )
-    env = dict(
-        os.environ, MPLBACKEND="svg", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path])
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env, check=False
-    )
+    tests = str(Path(__file__).parent)
+    proc = run_job([sys.executable, "-c", code, str(tmp_path)], tmp_path, MPLBACKEND="svg", PYTHONPATH=tests)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["svg", "False"]
     for png in ("curves.png", "sweep_curves.png"):
