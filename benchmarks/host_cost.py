@@ -8,6 +8,9 @@ one forward + backward, minus the CPU time it spends inside ``torch.distributed.
 transport costs is the transport's). Variants:
 
 - ``floor``: ``nn.BatchNorm2d`` plus the two all-reduces of a sync payload that any synchronized BN needs;
+- ``sketch``: the bare steps of a synchronized call (``_sketch.Sketch``, float32 cases), its two payloads
+  all-reduced: no identity checks, verdicts, checkpointing or Join, so what a layer of this design in
+  Python cannot go below;
 - ``distsync``: this checkout's ``DistSyncBatchNorm2d``;
 - ``base``: ``BASE_REV``'s, extracted as in ``compare_versions.py`` (when given).
 
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 from _harness import Budget, run_world, time_interleaved
 from _revisions import extract_base
+from _sketch import Sketch
 from torch import nn
 
 CASES = [  # (input shape, dtype): the tiny fixed-cost shape, then the benchmark's headline layer shapes
@@ -78,6 +82,19 @@ def _fwd_bwd(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor, payload: tor
     return run
 
 
+def _sketch_fwd_bwd(native: nn.BatchNorm2d, x: torch.Tensor, grad: torch.Tensor):
+    buffers = (native.running_mean, native.running_var, native.num_batches_tracked)
+
+    def all_reduce(payload: torch.Tensor) -> None:
+        dist.all_reduce(payload)  # looked up at each call: the clock's wrapper, as for the other variants
+
+    def run() -> None:
+        Sketch.apply(x, native.weight, native.bias, buffers, all_reduce).backward(grad)
+        x.grad = native.weight.grad = native.bias.grad = None
+
+    return run
+
+
 def measure(base_dir: str | None, quick: bool) -> list[dict]:
     """On every rank: the host time of each case's variants; rank 0's rows are returned."""
     from distsync import DistSyncBatchNorm2d
@@ -95,6 +112,8 @@ def measure(base_dir: str | None, quick: bool) -> list[dict]:
             grad = torch.randn(shape, dtype=dtype)
             payload = torch.zeros(payload_size(shape[1]), dtype=torch.float64)
             variants = {"floor": _fwd_bwd(nn.BatchNorm2d(shape[1]), x, grad, payload)}
+            if dtype == torch.float32:
+                variants["sketch"] = _sketch_fwd_bwd(nn.BatchNorm2d(shape[1]), x, grad)
             variants.update({name: _fwd_bwd(cls(shape[1]), x, grad) for name, cls in layers.items()})
             small = shape[0] * shape[2] * shape[3] <= 512
             inner = (100 if small else 10) // (2 if quick else 1)
@@ -120,16 +139,18 @@ def main() -> None:
         if args.base:
             extract_base(args.base, Path(base_dir))
         rows = run_world(measure, base_dir if args.base else None, args.quick)
-    names = ["floor", "distsync"] + (["base"] if args.base else [])
-    header = ["layer fwd+bwd, 2 gloo ranks", *(f"{n} (us)" for n in names), "distsync / floor"]
-    if args.base:
-        header.append(f"{args.base} / floor")
+    names = ["floor", "sketch", "distsync"] + (["base"] if args.base else [])
+    ratios = [name for name in names if name != "floor"]
+    header = [
+        "layer fwd+bwd, 2 gloo ranks",
+        *(f"{n} (us)" for n in names),
+        *(f"{args.base if n == 'base' else n} / floor" for n in ratios),
+    ]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
-        cells = [row["case"], *(f"{row[n] * 1e6:.0f}" for n in names), f"{row['distsync/floor']:.2f}"]
-        if args.base:
-            cells.append(f"{row['base/floor']:.2f}")
+        times = [f"{row[n] * 1e6:.0f}" if n in row else "-" for n in names]
+        cells = [row["case"], *times, *(f"{row[f'{n}/floor']:.2f}" if n in row else "-" for n in ratios)]
         print("| " + " | ".join(cells) + " |")
 
 
