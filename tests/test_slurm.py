@@ -223,24 +223,35 @@ def test_scancel_leaves_no_process_and_the_printed_command_resumes(slurm_cluster
 
 def test_two_jobs_sharing_their_first_node_meet_apart(slurm_cluster, tmp_path):
     """Two 2-node jobs on the same nodes, the second submitted while the first trains and run whole while the
-    first still trains: each meets in a store of its own (a port of its own job id) and finishes as a world
-    of its own."""
+    first still trains: each meets in a store of its own (a port of its own job id), the second finishes as a
+    world of its own, and the first trains on undisturbed until it is cancelled (it has no end of its own, so
+    that a fast machine cannot finish it before the second has run)."""
     first_dir, second_dir = tmp_path / "first", tmp_path / "second"
     first_dir.mkdir(), second_dir.mkdir()
-    first = submit(slurm_cluster, first_dir, *TINY, "trainer.max_steps=2000")
+    first = submit(slurm_cluster, first_dir, *TINY, "trainer.max_steps=1000000")
     first_run = first_dir / "outputs" / "slurm" / f"{first}.0"
     wait_until(lambda: len(train_steps(first_run)) >= 2, 120, "the first job does not train", slurm_cluster)
     second = submit(slurm_cluster, second_dir, *TINY)
     second_run = second_dir / "outputs" / "slurm" / f"{second}.0"
-    ends = {second: slurm_cluster.wait_for(second, ENDED, 240)}
+    ended = slurm_cluster.wait_for(second, ENDED, 240)
+    assert ended["JobState"] == "COMPLETED", output(second_dir, second)[-4000:]
+    assert ended["NodeList"] == "n[1-2]"
+    s = summary(second_run)
+    assert s["world_size"] == 2 and s["steps"] == 200 and s["restarts"] == 0
+    trained = len(train_steps(first_run))
     assert slurm_cluster.job(first)["JobState"] == "RUNNING"  # the second job ran while the first trained
-    ends[first] = slurm_cluster.wait_for(first, ENDED, 240)
-    for job, cwd, run in ((first, first_dir, first_run), (second, second_dir, second_run)):
-        assert ends[job]["JobState"] == "COMPLETED", output(cwd, job)[-4000:]
-        assert ends[job]["NodeList"] == "n[1-2]"
-        assert summary(run)["world_size"] == 2 and summary(run)["restarts"] == 0
-        assert f"at 127.0.0.1:{slurm_port(job)} (rendezvous {job})" in output(cwd, job)
-    assert summary(first_run)["steps"] == 2000 and summary(second_run)["steps"] == 200
+
+    def trains_on() -> bool:
+        return len(train_steps(first_run)) > trained
+
+    wait_until(trains_on, 60, "the first job stopped training", slurm_cluster)
+    slurm_cluster.run("scancel", first)
+    assert slurm_cluster.wait_for(first, ENDED, 60)["NodeList"] == "n[1-2]"
+    steps = train_steps(first_run)
+    assert steps == sorted(set(steps)), output(first_dir, first)[-4000:]  # one world: no restart went back
+    for job, cwd in ((first, first_dir), (second, second_dir)):
+        rendezvous = f"waiting for 2 node(s) at 127.0.0.1:{slurm_port(job)} (rendezvous {job})"
+        assert output(cwd, job).count(rendezvous) == 2, output(cwd, job)[-4000:]  # one line per node
 
 
 def test_a_two_job_sweep_through_hydras_submitit_launcher(slurm_cluster, tmp_path):
