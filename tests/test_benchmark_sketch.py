@@ -1,8 +1,8 @@
 """``benchmarks/_sketch.py`` times the bare steps of a synchronized call as the floor of distsync's design in
 Python (``host_cost.py``, ``host_floor_sketch.py``); that floor only means something if the sketch does all
-the work a synchronized call must do. Here it does: on one process it equals ``nn.BatchNorm2d`` (outputs,
-input and parameter gradients, running statistics, the batch count), and its payloads are what it
-all-reduces, in both directions."""
+the work a synchronized call must do. Here it does: on one process it equals torch's training-mode batch
+norm (outputs, input and parameter gradients, running statistics, the batch count) for 3D and 4D inputs, and
+it all-reduces a payload in each direction."""
 
 from __future__ import annotations
 
