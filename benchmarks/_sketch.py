@@ -15,9 +15,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from distsync._syncbn.identity import payload_size
+from distsync._syncbn.identity import TAIL, payload_size  # the payload's size class and tail length
 
-TAIL = 15  # the payload's tail of identity and count fields
 _reduce = torch.ops.aten.native_batch_norm_backward  # eval-mode BN backward: per-channel sums in one kernel
 
 
