@@ -1,4 +1,15 @@
-"""distsync: synchronized batch norm and data-parallel tools natively on ``torch.distributed``."""
+"""distsync: synchronized batch norm and data-parallel tools natively on ``torch.distributed``.
+
+``import distsync`` loads the synchronized layer and nothing else. The launcher (:func:`launch`,
+:class:`DeviceSet`), the ``nn.DataParallel`` compatibility shim (``ReplicationCallbackDataParallel``, ...)
+and the Optuna helpers (:func:`report`, :func:`should_prune`) are top-level names too, imported on their
+first use (PEP 562), so a training script that only syncs batch norm never loads them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from distsync._syncbn.health import check_sync
 from distsync._syncbn.identity import name_layers
@@ -13,14 +24,61 @@ from distsync.distributed import init_distributed, no_buffer_broadcast
 from distsync.errors import SyncError, SyncMismatchError
 from distsync.groups import create_syncbn_process_group
 from distsync.join import joinable
-from distsync.launching.devices import DeviceSet
-from distsync.launching.elastic import LaunchError, NonRetryableError, launch
-
-# The DataParallel compatibility shim's names are top-level too, so old imports need only a package rename.
-from distsync.parallel import *  # noqa: E402, F403
-from distsync.parallel import __all__ as _shim_names  # noqa: E402
 from distsync.precise_bn import update_bn
-from distsync.tuning import report, should_prune
+
+if TYPE_CHECKING:  # the names below, for type checkers and editors
+    from distsync.launching.device_split import DeviceSet
+    from distsync.launching.elastic import LaunchError, NonRetryableError, launch
+    from distsync.parallel import *  # noqa: F403
+    from distsync.tuning import report, should_prune
+
+_SHIM_NAMES = (
+    "CallbackContext",
+    "DataParallelCriterion",
+    "DataParallelModel",
+    "DataParallelWithCallback",
+    "FutureResult",
+    "ReplicaReducer",
+    "ReplicationCallbackDataParallel",
+    "SlavePipe",
+    "SyncMaster",
+    "SynchronizedBatchNorm1d",
+    "SynchronizedBatchNorm2d",
+    "SynchronizedBatchNorm3d",
+    "convert_model",
+    "exec_data_parallel_replication_callback",
+    "execute_replication_callbacks",
+    "patch_replication_callback",
+    "patch_sync_batchnorm",
+    "set_sbn_eps_mode",
+)
+"""The DataParallel shim's names (``distsync.parallel.__all__``, a test holds them equal): top-level too, so
+old imports need only a package rename."""
+
+_LAZY: dict[str, str] = {
+    "DeviceSet": "distsync.launching.device_split",
+    "LaunchError": "distsync.launching.elastic",
+    "NonRetryableError": "distsync.launching.elastic",
+    "launch": "distsync.launching.elastic",
+    "report": "distsync.tuning",
+    "should_prune": "distsync.tuning",
+    **dict.fromkeys(_SHIM_NAMES, "distsync.parallel"),
+}
+"""Top-level names imported on first use, and the module each comes from."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'distsync' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups find it directly
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "BatchNormNd",
@@ -45,5 +103,5 @@ __all__ = [
     "revert_sync_batchnorm",
     "should_prune",
     "update_bn",
-    *_shim_names,
+    *_SHIM_NAMES,
 ]

@@ -247,7 +247,7 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
         ranks of ``process_group`` if one is initialized. Only copy 0, whose buffers are the module's own,
         updates the running statistics.
         """
-        from distsync.parallel.transport import replica_reducer  # lazy: distsync.parallel imports this module
+        from distsync.parallel.replica_sync import replica_reducer  # distsync.parallel imports this module
 
         self._sync_state = self._sync_state.fresh_copy()
         self._replica_reducer = replica_reducer(ctx, copy_id, self.process_group)

@@ -1,4 +1,5 @@
-"""``distsync.devices``, the documented path of the device split: see :mod:`distsync.launching.devices`."""
+"""``distsync.devices``, the documented path of the device split: see
+:mod:`distsync.launching.device_split`."""
 
-from distsync.launching.devices import *  # noqa: F403
-from distsync.launching.devices import __all__  # noqa: F401
+from distsync.launching.device_split import *  # noqa: F403
+from distsync.launching.device_split import __all__  # noqa: F401

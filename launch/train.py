@@ -10,14 +10,14 @@ See docs/training.md for every option.
 import hydra
 from omegaconf import DictConfig
 
-from distsync.train import launcher  # registers the config schema
+from distsync.train import hydra_app  # registers the config schema
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> float:
-    return launcher.hydra_main(cfg)
+    return hydra_app.hydra_main(cfg)
 
 
 if __name__ == "__main__":
-    launcher.prepare_argv()
+    hydra_app.prepare_argv()
     main()

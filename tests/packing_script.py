@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from distsync.launching.devices import DeviceSet
+from distsync.launching.device_split import DeviceSet
 from distsync.launching.packing import run_packed
 
 

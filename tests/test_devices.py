@@ -12,7 +12,7 @@ from elastic_fns import all_ranks_devices
 from launching import run_job
 
 import distsync
-from distsync.launching.devices import (
+from distsync.launching.device_split import (
     DeviceSet,
     crowding,
     nproc_on,

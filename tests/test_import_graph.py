@@ -5,9 +5,13 @@ underscore names. Imports under ``if TYPE_CHECKING:`` are annotations only and d
 from __future__ import annotations
 
 import ast
+import collections
+import json
+import sys
 from pathlib import Path
 
 import pytest
+from launching import run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("distsync", "hydra_plugins")
@@ -126,3 +130,44 @@ def test_a_planted_circle_is_found(tmp_path, under_type_checking):
     assert private == ["pkg.a imports pkg.c._hidden"]
     expected = [] if under_type_checking else [["pkg.a", "pkg.sub", "pkg.sub.b"]]
     assert circles(edges) == expected
+
+
+LAZY_PACKAGES = ("hydra", "omegaconf", "distsync.launching", "distsync.parallel", "distsync.tuning")
+
+
+def test_import_distsync_loads_the_layer_only_and_every_top_level_name_on_use(tmp_path):
+    """``import distsync`` in a fresh interpreter loads neither Hydra, OmegaConf, the launcher, the
+    DataParallel shim nor the Optuna helpers; each top-level name of theirs then still resolves, to the object
+    its own module defines, and the shim's names at the top level are exactly the shim's ``__all__``."""
+    script = f"""
+import json, sys
+import distsync
+loaded = sorted(m for m in sys.modules if m.startswith({LAZY_PACKAGES!r}))
+import distsync.parallel
+names = {{name: getattr(distsync, name).__module__ for name in distsync.__all__}}
+print(json.dumps({{"loaded": loaded, "names": names, "shim": distsync.parallel.__all__,
+                  "dir": sorted(set(distsync.__all__) - set(dir(distsync)))}}))
+"""
+    proc = run_job([sys.executable, "-c", script], cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["loaded"] == []
+    assert set(result["shim"]) <= set(result["names"])
+    assert result["names"]["launch"] == "distsync.launching.elastic"
+    assert result["names"]["ReplicationCallbackDataParallel"].startswith("distsync.parallel")
+    assert result["names"]["should_prune"] == "distsync.tuning"
+    assert result["dir"] == []
+
+
+def test_an_unknown_top_level_name_is_an_attribute_error():
+    import distsync
+
+    with pytest.raises(AttributeError, match="no attribute 'SyncBatchNorm2d'"):
+        distsync.SyncBatchNorm2d  # noqa: B018
+
+
+def test_no_two_modules_share_a_file_name():
+    """A file name says what a module is wherever it is met (a traceback, an import line)."""
+    files = [path.name for path in (ROOT / "distsync").rglob("*.py")]
+    names = collections.Counter(name for name in files if name not in ("__init__.py", "__main__.py"))
+    assert [name for name, count in names.items() if count > 1] == []

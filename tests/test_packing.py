@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from launching import copy_example_app, job_env, run_job
 
-from distsync.launching.devices import DeviceSet, crowding
+from distsync.launching.device_split import DeviceSet, crowding
 from distsync.launching.packing import run_packed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from distsync.launching.elastic import NonRetryableError
 from distsync.train import DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig
 from distsync.train.build import check_buildable
 from distsync.train.config import ConfigError
-from distsync.train.launcher import launch
+from distsync.train.hydra_app import launch
 
 
 def _cfg(factory: dict | None = None, data: dict | None = None, optim: dict | None = None, **trainer):
@@ -87,7 +87,7 @@ def test_a_config_error_only_the_workers_see_is_not_restarted(tmp_path, monkeypa
 
 def test_a_failure_on_some_ranks_only_stays_an_ordinary_failure(tmp_path):
     cfg = _cfg({"_target_": "train_fixtures.net_broken_on_rank_1"})
-    run = functools.partial(distsync.train.worker.run, run_dir=str(tmp_path))
+    run = functools.partial(distsync.train.rank_process.run, run_dir=str(tmp_path))
     with pytest.raises(distsync.LaunchError) as error:
         distsync.launch(run, cfg, nproc_per_node=2, max_restarts=0)
     assert "rank(s) 1 could not build the job: model.factory" in str(error.value)

@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize
 
 from distsync.train import ConfigError, TrainConfig, TrainerConfig
-from distsync.train.launcher import to_train_config
+from distsync.train.hydra_app import to_train_config
 
 
 def _compose(*overrides: str) -> TrainConfig:
@@ -103,7 +103,7 @@ def test_non_finite_values_are_refused(override):
 def test_backends_this_machine_cannot_run_are_refused_before_launch(monkeypatch):
     import torch
 
-    from distsync.train.launcher import _check_environment
+    from distsync.train.hydra_app import _check_environment
 
     for backend in ("foo", "mpi", "ucc", "fake"):  # mpi & co. failed only inside the workers, 3 times
         refusal = f"trainer.backend must be one of auto, gloo, nccl \\(got '{backend}'\\)"
@@ -133,7 +133,7 @@ def test_backends_this_machine_cannot_run_are_refused_before_launch(monkeypatch)
     ],
 )
 def test_data_and_seed_errors_are_found_before_any_worker_starts(overrides, message):
-    from distsync.train.launcher import _check_environment
+    from distsync.train.hydra_app import _check_environment
 
     with pytest.raises(ConfigError, match=message):
         _check_environment(_compose(*overrides))

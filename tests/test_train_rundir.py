@@ -52,7 +52,7 @@ def test_run_refuses_a_run_dir_in_use_and_writes_nothing(tmp_path):
 
 
 def test_second_job_is_refused_before_any_worker_starts(tmp_path, capsys):
-    from distsync.train.launcher import launch
+    from distsync.train.hydra_app import launch
 
     cfg = TrainConfig(
         trainer=TrainerConfig(max_steps=5, max_restarts=3, monitor_interval=0.2, progress=False)
@@ -81,7 +81,7 @@ def test_a_filesystem_without_locks_is_refused_in_one_line(tmp_path, monkeypatch
     import errno
     import fcntl
 
-    from distsync.train.launcher import launch
+    from distsync.train.hydra_app import launch
 
     def no_locks(fd, operation):
         raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
@@ -97,7 +97,7 @@ def test_a_filesystem_without_locks_is_refused_in_one_line(tmp_path, monkeypatch
 
 def test_a_refused_job_puts_back_the_record_of_the_job_that_trains(tmp_path, capsys):
     """Hydra writes each job's .hydra/ before the lock can refuse it: the holder's record comes back."""
-    from distsync.train.launcher import launch
+    from distsync.train.hydra_app import launch
     from distsync.train.rundir import keep_hydra_record
 
     record = tmp_path / ".hydra"

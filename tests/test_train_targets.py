@@ -16,7 +16,7 @@ import distsync
 from distsync.train import DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig
 from distsync.train.config import ConfigError
 from distsync.train.data import LoaderBatches
-from distsync.train.launcher import launch
+from distsync.train.hydra_app import launch
 from distsync.train.targets import check_node, check_targets, instantiate
 
 

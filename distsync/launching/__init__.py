@@ -11,7 +11,7 @@ Hydra plugin (``hydra_plugins/distsync_torchrun_launcher``) and the packaged job
 on it. See docs/architecture.md.
 """
 
-from distsync.launching.devices import DeviceSet, split_devices
+from distsync.launching.device_split import DeviceSet, split_devices
 from distsync.launching.elastic import LaunchError, launch
 from distsync.launching.worker import NonRetryableError
 

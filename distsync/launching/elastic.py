@@ -31,7 +31,7 @@ from distsync.launching.worker import NonRetryableError
 from distsync.launching.world_size import ask_in_place, sized_by_fn
 
 if TYPE_CHECKING:
-    from distsync.launching.devices import DeviceSet
+    from distsync.launching.device_split import DeviceSet
 
 __all__ = [
     "LaunchError",
@@ -195,7 +195,7 @@ def launch(
         start_method=start_method,
         rdzv_endpoint=rdzv_endpoint,
     )
-    from distsync.launching.devices import nproc_on, warn_if_crowded
+    from distsync.launching.device_split import nproc_on, warn_if_crowded
 
     if devices is not None:
         nproc_per_node = nproc_on(devices, nproc_per_node)

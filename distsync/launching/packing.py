@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from distsync.launching.devices import DeviceSet
+from distsync.launching.device_split import DeviceSet
 from distsync.launching.tagged_output import TaggedOutput
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)

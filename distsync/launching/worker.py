@@ -201,8 +201,8 @@ def _by_reference(fn: Callable) -> Any:
 
 class WorkerSetup:
     """What a worker needs of the launching process: the Hydra job's hydra node (resolved), the log
-    directory, the devices of the world (a :class:`~distsync.launching.devices.DeviceSet`, or None) and how to
-    import the launching script."""
+    directory, the devices of the world (a :class:`~distsync.launching.device_split.DeviceSet`, or None)
+    and how to import the launching script."""
 
     def __init__(self, hydra_cfg: Any, log_dir: str | None, devices: Any = None) -> None:
         self.hydra_cfg, self.log_dir, self.devices = hydra_cfg, log_dir, devices
@@ -343,7 +343,7 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
     rank = int(os.environ.get("RANK", "0"))
     try:
         if setup.devices is not None:  # before fn and its config touch CUDA or start torch's threads
-            from distsync.launching.devices import pin_process
+            from distsync.launching.device_split import pin_process
 
             pin_process(setup.devices)
         _rank_zero_only_from_environment(rank)

@@ -10,6 +10,7 @@ from distsync.batchnorm import DistSyncBatchNorm1d, DistSyncBatchNorm2d, DistSyn
 from distsync.convert import convert_sync_batchnorm
 from distsync.parallel.comm import FutureResult, SlavePipe, SyncMaster
 from distsync.parallel.data_parallel import DataParallelCriterion, DataParallelModel
+from distsync.parallel.replica_sync import ReplicaReducer
 from distsync.parallel.replicate import (
     CallbackContext,
     DataParallelWithCallback,
@@ -25,7 +26,6 @@ from distsync.parallel.sync_batchnorm import (
     patch_sync_batchnorm,
     set_sbn_eps_mode,
 )
-from distsync.parallel.transport import ReplicaReducer
 
 __all__ = [
     "CallbackContext",

@@ -1,6 +1,6 @@
 """Data-parallel training of a small CNN with :class:`distsync.DistSyncBatchNorm`, launched by torchrun.
 
-The package has no Hydra dependency except :mod:`distsync.train.launcher`, which registers the config
+The package has no Hydra dependency except :mod:`distsync.train.hydra_app`, which registers the config
 schema and starts the elastic launches; :func:`run` is the worker every rank executes.
 """
 
@@ -13,7 +13,7 @@ from distsync.train.config import (
     TrainerConfig,
 )
 from distsync.train.model import SmallCNN, build_model
-from distsync.train.worker import run
+from distsync.train.rank_process import run
 
 __all__ = [
     "ConfigError",

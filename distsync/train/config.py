@@ -1,6 +1,6 @@
 """Training configuration: plain dataclasses with defaults and validation, no Hydra.
 
-Hydra registers these classes as the schema of ``conf/`` (see :mod:`distsync.train.launcher`); workers
+Hydra registers these classes as the schema of ``conf/`` (see :mod:`distsync.train.hydra_app`); workers
 receive a resolved :class:`TrainConfig` instance, which pickles like any dataclass.
 """
 

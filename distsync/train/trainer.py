@@ -1,7 +1,7 @@
 """The training loop of one rank: build, resume, train, evaluate, checkpoint, summarize.
 
-:class:`Trainer` is what :func:`distsync.train.worker.run` runs once the process has joined its group and
-locked the run directory. Every collective here is reached by every rank in the same order.
+:class:`Trainer` is what :func:`distsync.train.rank_process.run` runs once the process has joined its group
+and locked the run directory. Every collective here is reached by every rank in the same order.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from distsync.launching.worker import NonRetryableError
 from distsync.train.build import building
 from distsync.train.checkpoint import remove_stale_temporaries
 from distsync.train.collectives import all_gather_object, all_reduce
-from distsync.train.comm import CommSetup
 from distsync.train.config import TrainConfig
 from distsync.train.data import LoaderBatches, ShardedBatches, build_datasets, load_data
 from distsync.train.evaluation import bn_buffers_in_sync, evaluate
+from distsync.train.grad_comm import CommSetup
 from distsync.train.interrupt import StopRequests
 from distsync.train.logs import console_quiet, init_logger
 from distsync.train.metrics import MetricsLog, plot_curves, write_json_atomic

@@ -194,7 +194,7 @@ class TorchrunLauncher(Launcher):
 
     def _slots(self, jobs: int) -> Optional[list]:  # noqa: UP045
         """The device sets of the jobs running at once; None to run the jobs one after the other here."""
-        from distsync.launching.devices import split_devices, this_process_devices, warn_if_crowded
+        from distsync.launching.device_split import split_devices, this_process_devices, warn_if_crowded
 
         n_jobs = self.options.get("n_jobs", 1)
         n_jobs = int(n_jobs) if str(n_jobs).isdigit() else n_jobs

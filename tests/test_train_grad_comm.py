@@ -7,7 +7,7 @@ import json
 import pytest
 
 from distsync.train import DataConfig, TrainConfig, TrainerConfig
-from distsync.train.launcher import launch
+from distsync.train.hydra_app import launch
 
 
 @pytest.mark.slow

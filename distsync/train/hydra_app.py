@@ -6,7 +6,7 @@ into a plain :class:`~distsync.train.config.TrainConfig` and then either
 * starts a torchrun world of ``trainer.nproc_per_node`` workers with
   :func:`torch.distributed.launcher.api.elastic_launch` (a plain ``python launch/train.py``, every job of a
   ``-m`` sweep), or
-* runs :func:`distsync.train.worker.run` in this very process when the script itself was started by an
+* runs :func:`distsync.train.rank_process.run` in this very process when the script itself was started by an
   external ``torchrun`` (``TORCHELASTIC_RUN_ID`` is set).
 """
 
@@ -348,7 +348,7 @@ def hydra_main(cfg: DictConfig) -> float:
 
 def _run_in_this_worker(cfg: TrainConfig, run_dir: str) -> dict:
     """Train in this torchrun worker; rank 0 says how to resume, at the start and when stopped."""
-    from distsync.train.worker import run
+    from distsync.train.rank_process import run
 
     resume = resume_command(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None
     if resume:
@@ -406,7 +406,7 @@ def _check_environment(cfg: TrainConfig) -> None:
 
 
 def launch(cfg: TrainConfig, run_dir: str) -> dict:
-    """Run :func:`distsync.train.worker.run` on a torchrun world started by :func:`distsync.launch`.
+    """Run :func:`distsync.train.rank_process.run` on a torchrun world started by :func:`distsync.launch`.
 
     Returns rank 0's summary. Single node: localhost on a port the OS picks, so jobs can run side by side.
     Multi-node: ``trainer.nnodes`` agents meet at ``trainer.rdzv_endpoint`` under ``trainer.rdzv_id``;
@@ -416,7 +416,7 @@ def launch(cfg: TrainConfig, run_dir: str) -> dict:
     """
     from distsync.launching.elastic import LaunchError, check_options
     from distsync.launching.elastic import launch as elastic_launch
-    from distsync.train.worker import run
+    from distsync.train.rank_process import run
 
     t = cfg.trainer
     options = dict(
