@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "at_end_of_backward",
+    "checkpoint_regions_on_stack",
     "ddp_ignored",
     "disable_dynamo",
     "dispatch_modes_active",
@@ -27,6 +32,7 @@ __all__ = [
     "graph_task_id",
     "leave_out_of_ddp_buffer_sync",
     "mark_constant_for_dynamo",
+    "modules_being_called",
     "process_group_timeout",
     "set_ddp_ignored",
     "traceable_all_reduce",
@@ -176,3 +182,75 @@ def give_ddp_join_count(ddp: DistributedDataParallel, work) -> None:
     when DDP is the first joinable (its gradients are then averaged over those ranks as DDP decides):
     ``reducer._set_forward_pass_work_handle`` (1.10 to 2.14 at least)."""
     ddp.reducer._set_forward_pass_work_handle(work, ddp._divide_by_initial_world_size)
+
+
+# ---------------------------------------------------------------------------------------- the frames read
+# The only two places where distsync reads interpreter frames: what torch has no API for. Only torch's own
+# frames' variables are read, never a caller's: on Python < 3.13 reading a frame's variables keeps a
+# snapshot of them in that frame until it returns, and those frames return with the module call or the
+# checkpointed region they belong to.
+
+# torch's own frames of a module call (``Module.__call__`` and what it calls): their ``self`` is a module
+# being called. ``_wrapped_call_impl`` is ``__call__`` from torch 2.1 on, ``_call_impl`` what it runs.
+MODULE_CALL_CODES = frozenset(
+    fn.__code__
+    for fn in (getattr(nn.Module, name, None) for name in ("_wrapped_call_impl", "_call_impl"))
+    if hasattr(fn, "__code__")
+)
+
+
+def modules_being_called() -> list[nn.Module]:
+    """The modules being called now (the ``self`` of torch's module-call frames), outermost first, each
+    once. torch has no API for the module call stack (forward hooks would be a global registration)."""
+    modules, seen = [], set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in MODULE_CALL_CODES:
+            module = frame.f_locals.get("self")
+            if isinstance(module, nn.Module) and id(module) not in seen:
+                seen.add(id(module))
+                modules.append(module)
+        frame = frame.f_back
+    modules.reverse()
+    return modules
+
+
+_CHECKPOINT_FILE = torch_checkpoint.__file__
+_REENTRANT = getattr(torch_checkpoint, "CheckpointFunction", None)
+REENTRANT_CHECKPOINT_CODES = tuple(
+    getattr(getattr(_REENTRANT, name, None), "__code__", None) for name in ("forward", "backward")
+)
+CHECKPOINT_FRAME_CLASS = getattr(torch_checkpoint, "_CheckpointFrame", None)  # non-reentrant: one per call
+
+
+def checkpoint_regions_on_stack() -> Iterator[tuple[object, bool]]:
+    """``(region, recomputing)`` for each activation-checkpointed region the current call runs in,
+    innermost first: torch's own object for the region (the reentrant ``CheckpointFunction``'s ``ctx``, the
+    non-reentrant checkpoint's ``_CheckpointFrame``) and whether this is its recomputation (True) or its
+    forward (False). Read from the frames of ``torch/utils/checkpoint.py``, the only place where both the
+    region's forward and its recomputation are visible (2.0 to 2.14 at least); where torch's internals
+    change so that none is found, nothing is yielded (a recomputed call is then an ordinary one)."""
+    forward, backward = REENTRANT_CHECKPOINT_CODES
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == _CHECKPOINT_FILE:
+            local = frame.f_locals
+            if code is forward or code is backward:
+                yield local.get("ctx"), code is backward
+            elif CHECKPOINT_FRAME_CLASS is not None:
+                found = _non_reentrant_region(local)
+                if found is not None:
+                    yield found
+        frame = frame.f_back
+
+
+def _non_reentrant_region(local: dict) -> tuple[object, bool] | None:
+    for value in local.values():
+        if isinstance(value, CHECKPOINT_FRAME_CLASS):  # the unpack hook that recomputes the region
+            return value, True
+        if isinstance(value, types.GeneratorType) and value.gi_frame is not None:  # checkpoint() itself:
+            for inner in value.gi_frame.f_locals.values():  # the region's frame object, in its generator
+                if isinstance(inner, CHECKPOINT_FRAME_CLASS):
+                    return inner, False
+    return None

@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distsync import _torch_compat, batchnorm
 from distsync._syncbn.ddp_buffers import leave_out_of_broadcast
-from distsync._syncbn.identity import BACKWARD, FORWARD, calling_modules, stamp_paths
+from distsync._syncbn.identity import BACKWARD, FORWARD, stamp_paths
 from distsync._syncbn.subclass import original_class
 from distsync._syncbn.transport import Call, ProcessGroupReducer
 from distsync.batchnorm import DistSyncBatchNorm
@@ -300,7 +300,7 @@ class _SyncedLayersJoinable(Joinable):
         state = layer._sync_state
         if state.identity is None:
             state.resolve(layer, layer.num_features)
-        callers = calling_modules()  # outermost first
+        callers = _torch_compat.modules_being_called()  # outermost first
         holder = next((m for m in callers if m is not layer and any(x is layer for x in m.modules())), None)
         holding = (
             "the module that holds it" if holder is None else f"the {type(holder).__name__} that holds it"

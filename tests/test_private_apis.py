@@ -109,14 +109,13 @@ def test_selective_checkpointing_modes_can_be_taken_off_the_dispatch_stack():
 
 
 def test_module_call_frames_are_torchs_call_impl():
-    """identity.calling_modules reads the ``self`` of these two functions' frames only."""
-    from distsync._syncbn import identity
-
-    assert {code.co_name for code in identity._CALL_CODES} == {"_wrapped_call_impl", "_call_impl"}
-    assert all(code.co_varnames[0] == "self" for code in identity._CALL_CODES)
+    """_torch_compat.modules_being_called reads the ``self`` of these two functions' frames only."""
+    codes = _torch_compat.MODULE_CALL_CODES
+    assert {code.co_name for code in codes} == {"_wrapped_call_impl", "_call_impl"}
+    assert all(code.co_varnames[0] == "self" for code in codes)
     seen = []
     outer = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    outer[0].register_forward_pre_hook(lambda module, args: seen.extend(identity.calling_modules()))
+    outer[0].register_forward_pre_hook(lambda module, args: seen.extend(_torch_compat.modules_being_called()))
     outer(torch.ones(1, 2))
     assert seen[0] is outer and seen[1] is outer[0]
 

@@ -11,15 +11,14 @@ output, bit for bit, no collective, no second update. Every rank recomputes the 
 all of them skip the collectives alike. The identity cannot collide: it is the region, not the data.
 
 A region is found from the calling frames of ``torch/utils/checkpoint.py`` (the only place where both the
-region's forward and its recomputation are visible). Only those frames' variables are read: on Python < 3.13
-that leaves a snapshot of them in the frame, which ends with the frame, that is with the region's forward
-or recomputation; they hold the region's own arguments, which the frame holds anyway, and nothing of the
-caller's. Nested regions log a call in every region around it;
-a recomputation takes its calls from the innermost region being recomputed. A forward run inside a
-backward outside any checkpoint (a reversible network's custom backward) is an ordinary call: it
-all-reduces and moves the running statistics, as ``nn.SyncBatchNorm`` and ``nn.BatchNorm`` do. Should
-torch's checkpoint internals change so that a region is not found, a recomputed call is an ordinary call
-too (right, as ``nn.SyncBatchNorm`` is, not bit-identical) and ``tests/test_private_apis.py`` fails.
+region's forward and its recomputation are visible), by
+:func:`distsync._torch_compat.checkpoint_regions_on_stack`, which reads torch's frames only. Nested regions
+log a call in every region around it; a recomputation takes its calls from the innermost region being
+recomputed. A forward run inside a backward outside any checkpoint (a reversible network's custom backward)
+is an ordinary call: it all-reduces and moves the running statistics, as ``nn.SyncBatchNorm`` and
+``nn.BatchNorm`` do. Should torch's checkpoint internals change so that a region is not found, a recomputed
+call is an ordinary call too (right, as ``nn.SyncBatchNorm`` is, not bit-identical) and
+``tests/test_private_apis.py`` fails.
 
 Selective activation checkpointing (``create_selective_checkpoint_contexts``) adds a ``TorchDispatchMode``
 that records each op of the region's forward and, in the recomputation, hands back the outputs of the ops
@@ -34,8 +33,6 @@ move once, as without checkpointing; ``nn.BatchNorm`` moves them twice unless a 
 
 from __future__ import annotations
 
-import sys
-import types
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -48,11 +45,6 @@ from distsync._syncbn.moments import Stats
 
 __all__ = ["OUTSIDE", "CheckpointError", "Regions", "copies", "outside_selective", "regions", "replaying"]
 
-_FILE = torch_checkpoint.__file__
-_REENTRANT = getattr(torch_checkpoint, "CheckpointFunction", None)
-_REENTRANT_FORWARD = getattr(getattr(_REENTRANT, "forward", None), "__code__", None)
-_REENTRANT_BACKWARD = getattr(getattr(_REENTRANT, "backward", None), "__code__", None)
-_FRAME_CLASS = getattr(torch_checkpoint, "_CheckpointFrame", None)  # non-reentrant: one per region call
 # Selective activation checkpointing's modes: recording the forward's ops, replaying them (2.4 to 2.14)
 _SELECTIVE = tuple(
     mode
@@ -118,21 +110,16 @@ OUTSIDE = Regions(None, ())
 
 
 def regions() -> Regions:
-    """The checkpoint regions of the current call, from the calling frames."""
+    """The checkpoint regions of the current call, from torch's checkpoint frames
+    (:func:`distsync._torch_compat.checkpoint_regions_on_stack`)."""
     if torch.compiler.is_compiling():  # compiled code recomputes under its own rules (nothing is kept)
         return OUTSIDE
     replaying, logging = None, []
-    frame = sys._getframe(1)
-    while frame is not None and replaying is None:
-        if frame.f_code.co_filename == _FILE:
-            found = _region_of(frame)
-            if found is not None:
-                region, recomputing = found
-                if recomputing:
-                    replaying = region
-                else:
-                    logging.append(region)
-        frame = frame.f_back
+    for region, recomputing in _torch_compat.checkpoint_regions_on_stack():
+        if recomputing:
+            replaying = region
+            break
+        logging.append(region)
     if replaying is None and not logging:
         return OUTSIDE
     return Regions(replaying, tuple(logging))
@@ -165,21 +152,3 @@ def copies(running: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
 
 def _is_selective(mode: object) -> bool:
     return isinstance(mode, _SELECTIVE)
-
-
-def _region_of(frame: types.FrameType) -> tuple[object, bool] | None:
-    """``(region, recomputing)`` if ``frame`` is one of checkpoint's own around a region's forward (False)
-    or its recomputation (True), else None."""
-    code, local = frame.f_code, frame.f_locals
-    if code is _REENTRANT_FORWARD or code is _REENTRANT_BACKWARD:
-        return local.get("ctx"), code is _REENTRANT_BACKWARD
-    if _FRAME_CLASS is None:
-        return None
-    for value in local.values():
-        if isinstance(value, _FRAME_CLASS):  # the unpack hook that recomputes the region
-            return value, True
-        if isinstance(value, types.GeneratorType) and value.gi_frame is not None:  # checkpoint() itself:
-            for inner in value.gi_frame.f_locals.values():  # the region's frame object, in its generator
-                if isinstance(inner, _FRAME_CLASS):
-                    return inner, False
-    return None

@@ -10,13 +10,13 @@ stamped on the layer's sync state (which pickling and deep copies carry along), 
 * pickling: a model ``torch.load``-ed whole keeps the paths of the process that saved it;
 * the first synchronized call of a layer that has none (built directly, never converted): the outermost
   module being called at that moment whose tree holds it, whose synchronized layers all get their paths
-  from it at once; a layer called on its own (``model[1](x)`` in a loop) is named from the root of the
-  module tree that holds it, found among the live modules (a layer no module holds is named '').
+  from it at once (:func:`distsync._torch_compat.modules_being_called`, which reads the ``self`` of
+  torch's own module-call frames and nothing of the caller's); a layer called on its own before anything
+  named it (``model[1](x)`` on a model never converted nor called whole) is named '', documented: such
+  layers are told apart by width only, so convert the model or :func:`name_layers` it.
 
-The modules being called are the ``self`` of torch's own ``Module.__call__`` frames, the only frames whose
-variables are read: on Python < 3.13 reading them keeps a snapshot of that frame's variables until the
-frame returns, which for a module call is the end of the call. No frame of the caller's is read, so
-nothing a training loop holds (its batch) is kept alive.
+No frame is walked here and no heap is scanned: the path comes from the model the layer is converted in,
+named by or called under.
 
 Nothing global is registered: importing distsync changes nothing in how torch builds modules, and no
 user module's ``__eq__`` or ``__hash__`` is ever called (layers are kept by ``id``).
@@ -39,15 +39,15 @@ selects its tail as a view: no host-to-device copy per call.
 from __future__ import annotations
 
 import functools
-import gc
 import hashlib
-import sys
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
 import torch
 from torch import Tensor, nn
+
+from distsync import _torch_compat
 
 # Tail slots: [count | failed | layer digits (4), direction, call | their squares | guard].
 COUNT, FAILED = 0, 1
@@ -136,71 +136,23 @@ def stamp_paths(root: nn.Module, only_missing: bool = False) -> bool:
     return found
 
 
-# torch's own frames of a module call (``Module.__call__`` and what it calls): their ``self`` is a module
-# being called. ``_wrapped_call_impl`` is ``__call__`` from torch 2.1 on, ``_call_impl`` what it runs.
-_CALL_CODES = frozenset(
-    fn.__code__
-    for fn in (getattr(nn.Module, name, None) for name in ("_wrapped_call_impl", "_call_impl"))
-    if hasattr(fn, "__code__")
-)
-
-
-def calling_modules() -> list[nn.Module]:
-    """The modules being called now (the ``self`` of torch's module-call frames), outermost first, each once.
-
-    Only those frames are read, never a caller's: on Python < 3.13 reading a frame's variables keeps a
-    snapshot of them in the frame until it returns (a module call's frame returns with the call)."""
-    modules, seen = [], set()
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in _CALL_CODES:
-            module = frame.f_locals.get("self")
-            if isinstance(module, nn.Module) and id(module) not in seen:
-                seen.add(id(module))
-                modules.append(module)
-        frame = frame.f_back
-    modules.reverse()
-    return modules
-
-
 def _holds(root: nn.Module, layer: nn.Module) -> bool:
     return any(module is layer for module, _ in walk(root))
-
-
-def _holding_root(layer: nn.Module) -> nn.Module:
-    """The root of the module tree that holds ``layer``, climbing from it while each module has one parent
-    (a wrapper and the model it wraps: the model), found among the live modules (``gc``, no frame);
-    ``layer`` itself if no module holds it. Only for a layer called on its own, at its first call."""
-    if not any(isinstance(holder, dict) for holder in gc.get_referrers(layer)):
-        return layer  # in no module's children (a dict): nothing to look for
-    parents: dict[int, dict[int, nn.Module]] = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), nn.Module):
-            children = obj.__dict__.get("_modules")
-            for child in children.values() if isinstance(children, dict) else ():
-                if child is not None:
-                    parents.setdefault(id(child), {})[id(obj)] = obj
-    root, seen = layer, {id(layer)}
-    while len(parents.get(id(root), ())) == 1:
-        (parent,) = parents[id(root)].values()
-        if id(parent) in seen:
-            break
-        seen.add(id(parent))
-        root = parent
-    return root
 
 
 def layer_path(layer: nn.Module) -> str:
     """The path a synchronized layer is identified by: a name given with :func:`name_layers`, else the path
     stamped on it (by conversion, pickling or an earlier call), else its path from the outermost module
-    being called now whose tree holds it, else from the root of the module tree that holds it (all unnamed
-    layers under that module are stamped from it at once), else '' (a layer no module holds)."""
+    being called now whose tree holds it (all unnamed layers under that module are stamped from it at
+    once), else '' (a layer called on its own, outside any module that holds it, before any of them was
+    converted or called: such layers are told apart by their width only, so convert or name them)."""
     state = layer._sync_state
     if state.name is not None:
         return state.name
     if state.path is None:
-        root = next((m for m in calling_modules() if m is not layer and _holds(m, layer)), None)
-        stamp_paths(_holding_root(layer) if root is None else root, only_missing=True)
+        callers = _torch_compat.modules_being_called()
+        root = next((m for m in callers if m is not layer and _holds(m, layer)), layer)
+        stamp_paths(root, only_missing=True)
     return state.path
 
 

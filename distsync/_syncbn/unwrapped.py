@@ -20,8 +20,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from distsync import _torch_compat
 from distsync._syncbn.ddp_buffers import leave_out_of_broadcast
-from distsync._syncbn.identity import calling_modules, is_wrapper_slot
+from distsync._syncbn.identity import is_wrapper_slot
 
 __all__ = ["meet_callers"]
 
@@ -58,7 +59,7 @@ def meet_callers(layer: nn.Module, world_size: int) -> None:
     the call carries gradients and no module being called is a data-parallel wrapper."""
     if world_size <= 1:
         return
-    callers = calling_modules()
+    callers = _torch_compat.modules_being_called()
     for module in callers:
         if isinstance(module, DistributedDataParallel):
             leave_out_of_broadcast(module, layer)
