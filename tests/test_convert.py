@@ -1,7 +1,9 @@
 """convert_sync_batchnorm / revert_sync_batchnorm keep parameters, buffers and state_dict compatibility."""
 
 import copy
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -239,3 +241,26 @@ def test_jit_script_of_a_synchronized_layer_names_distsync_and_the_way_out():
     scripted = torch.jit.script(distsync.revert_sync_batchnorm(copy.deepcopy(model)).eval())
     x = torch.randn(2, 3, 4, 4)
     torch.testing.assert_close(scripted(x), model.eval()(x))
+
+
+def test_a_reverted_copy_pickles_without_distsync_and_training_goes_on(tmp_path):
+    """docs/recipes.md: ``torch.save(revert_sync_batchnorm(copy.deepcopy(model)))`` for a whole-model
+    checkpoint that leaves the project: the pickle names no distsync class and loads in a fresh interpreter
+    where distsync cannot be imported (the user's BN subclass comes back); the model stays synchronized."""
+    from bn_subclasses import ReluNorm2d
+    from launching import run_job
+
+    model = distsync.convert_sync_batchnorm(
+        nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), ReluNorm2d(4), nn.BatchNorm1d(2))
+    )
+    path = tmp_path / "model.pt"
+    torch.save(distsync.revert_sync_batchnorm(copy.deepcopy(model)), path)
+    assert b"distsync" not in path.read_bytes()
+    assert all(isinstance(model[i], distsync.DistSyncBatchNorm) for i in (1, 2, 3))
+    script = (
+        "import sys; sys.modules['distsync'] = None; import torch; "
+        f"print(*(type(m).__name__ for m in torch.load({str(path)!r}, weights_only=False)))"
+    )
+    proc = run_job([sys.executable, "-c", script], tmp_path, 60, PYTHONPATH=str(Path(__file__).parent))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["Conv2d", "BatchNorm2d", "ReluNorm2d", "BatchNorm1d"]

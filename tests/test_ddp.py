@@ -4,7 +4,9 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -94,3 +96,27 @@ def test_init_distributed_without_torchrun_is_single_process():
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def _load_on_rank_0_after_wrapping(rank, world_size, broadcast):
+    torch.manual_seed(0)
+    model = distsync.convert_sync_batchnorm(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp(torch.randn(2, 3)).sum().backward()  # it has trained under DDP
+    saved = {"1.running_mean": torch.arange(4.0), "1.running_var": torch.full((4,), 3.0)}
+    if rank == 0:  # then a checkpoint only rank 0 reads
+        ddp.module.load_state_dict(saved, strict=False)
+    if broadcast:  # docs/migration.md's line
+        for buffer in ddp.module.buffers():
+            dist.broadcast(buffer, src=0)
+    ddp(torch.randn(2 + rank, 3)).sum().backward()  # a synchronized training step
+    return ddp.module[1].running_mean.tolist()
+
+
+@pytest.mark.parametrize("broadcast", [False, True], ids=["as-is", "broadcast"])
+def test_statistics_loaded_on_rank_0_after_wrapping_reach_every_rank_only_through_a_broadcast(broadcast):
+    """A synchronized model's running statistics leave DDP's per-forward broadcast at their first call, so
+    a checkpoint loaded on rank 0 alone once the model has trained stays there unless the documented
+    broadcast (or a load on every rank) hands it over."""
+    first, second = run_world(_load_on_rank_0_after_wrapping, 2, broadcast)
+    assert (first == second) is broadcast
