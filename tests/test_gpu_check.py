@@ -30,8 +30,11 @@ def test_the_plan_names_every_part_and_fits_the_time_limit():
         [sys.executable, str(GPU / "check.py"), "--plan"], capture_output=True, text=True, check=True
     )
     names = [line.split()[0] for line in proc.stdout.splitlines()[:-1]]
-    assert names == [part.name for part in check.PARTS] and len(names) == 7
-    assert sum(part.limit_s for part in check.PARTS) <= check.TOTAL_LIMIT_S <= 8 * 60 - 30  # install, report
+    assert names == [part.name for part in check.PARTS] and len(names) == 8
+    default = [part for part in check.PARTS if part.default]
+    assert sum(part.limit_s for part in default) <= check.TOTAL_LIMIT_S <= 8 * 60 - 30  # install, report
+    assert all(part.limit_s <= check.TOTAL_LIMIT_S for part in check.PARTS)  # --only step fits too
+    assert re.search(r"^step .*--only step: on the CPU", proc.stdout, re.M), proc.stdout
     for part in check.PARTS:  # without CUDA here: the GPU-only parts say they are skipped
         expected = "skipped: needs CUDA" if part.needs_cuda else "on the CPU"
         assert re.search(rf"^{part.name} .*{expected}", proc.stdout, re.M), proc.stdout
@@ -83,9 +86,29 @@ def test_the_dry_run_on_the_cpu_passes_what_it_runs_and_skips_the_rest(tmp_path)
     )
     report = json.loads((tmp_path / "report.json").read_text())
     statuses = {name: part["status"] for name, part in report["parts"].items()}
-    expected = {part.name: "SKIP" if part.needs_cuda else "PASS" for part in check.PARTS}
+    expected = {part.name: "SKIP" if part.needs_cuda else "PASS" for part in check.PARTS if part.default}
     assert statuses == expected, proc.stdout + proc.stderr
     assert proc.returncode == 0
     markdown = (tmp_path / "report.md").read_text()
     assert "| 6. Speed, side by side | PASS |" in markdown and "Skipped: needs CUDA" in markdown
     assert not (tmp_path / ".parts").exists()
+
+
+@pytest.mark.slow
+def test_the_step_part_runs_alone_and_compares_every_variant_eager_and_compiled(tmp_path):
+    """``--only step`` in the dry run: a small conv net's training step, native BN, distsync and
+    nn.SyncBatchNorm's synchronized path, eager and under torch.compile, in one table per mode."""
+    scale = timeout_scale()
+    proc = subprocess.run(
+        [sys.executable, str(GPU / "check.py"), "--only", "step", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600 * scale, check=False,
+        env=dict(os.environ, DISTSYNC_TEST_TIMEOUT_SCALE=str(scale)),
+    )  # fmt: skip
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert list(report["parts"]) == ["step"] and proc.returncode == 0, proc.stdout + proc.stderr
+    part = report["parts"]["step"]
+    assert [table["title"].rsplit(", ", 1)[-1] for table in part["tables"]] == ["eager", "default"]
+    for table in part["tables"]:
+        assert [row[1] for row in table["rows"]] == ["native", "distsync", "nn.SyncBatchNorm"]
+        assert all(row[2] != "n/a" for row in table["rows"][:2]), table  # native and distsync measured
+    assert part["figures"]["step default, batch 4, distsync / native"] > 0

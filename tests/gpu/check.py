@@ -41,6 +41,7 @@ class Part:
     target: str  # "module:function", a module of this folder
     limit_s: int  # killed (and reported as failed) after this long
     needs_cuda: bool  # skipped without a GPU; else it runs on the CPU there, smaller
+    default: bool = True  # run without --only; else only when --only names it (a run of its own)
 
 
 PARTS = (
@@ -51,6 +52,7 @@ PARTS = (
     Part("errors", "5. Errors raised on every rank", "part_errors:run", 40, False),
     Part("speed", "6. Speed, side by side", "part_speed:run", 130, False),
     Part("job", "7. The packaged job and the Hydra plugin", "part_job:run", 85, False),
+    Part("step", "8. ResNet-50 step, eager and compiled", "part_step:run", 420, False, default=False),
 )
 
 
@@ -78,6 +80,8 @@ def plan(cuda: bool) -> list[dict[str, Any]]:
             if part.needs_cuda and not cuda
             else ("on the GPU" if cuda else "on the CPU")
         )
+        if not part.default:
+            runs = f"--only {part.name}: {runs}"
         limit_s = round(part.limit_s * scale)
         rows.append({"name": part.name, "title": part.title, "limit_s": limit_s, "runs": runs})
     return rows
@@ -154,7 +158,7 @@ def run_all(only: list[str] | None, out: Path) -> int:
     deadline = time.monotonic() + TOTAL_LIMIT_S * scale
     print(f"distsync GPU check on {report['environment']['device']}, torch {report['environment']['torch']}")
     for part in PARTS:
-        if only and part.name not in only:
+        if (only and part.name not in only) or (not only and not part.default):
             continue
         if part.needs_cuda and not cuda:
             result = {"status": "SKIP", "why": "needs CUDA: no CUDA device here", "seconds": 0.0}
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         scale = limit_scale(cuda)
         print(
             f"total limit {TOTAL_LIMIT_S * scale:.0f} s (the parts' limits add up to "
-            f"{sum(part.limit_s for part in PARTS) * scale:.0f} s)"
+            f"{sum(part.limit_s for part in PARTS if part.default) * scale:.0f} s; --only runs others)"
         )
         return 0
     return run_all(args.only, args.out)

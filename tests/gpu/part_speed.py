@@ -10,9 +10,9 @@ small per-GPU batches are where synchronized BN is used most, and where the host
 - ``nn.SyncBatchNorm``: its synchronized path over the same group (:class:`common.TorchSyncPath`).
 
 Time per call (median of runs of back-to-back calls, the device drained around each run), the host's CPU
-time per call (this thread), and CUDA kernels (and copies) per call from the profiler. Then ResNet-50
-(torchvision), batch 8 and 64, bf16 autocast, channels_last, SGD: a step with native BN against one
-converted to distsync (every BN layer synchronized over the one-rank group).
+time per call (this thread), and CUDA kernels (and copies) per call from the profiler. Then the eager
+ResNet-50 training step of part 8 (:func:`part_step.measure_steps`): batch 8 and 64, native BN, distsync and
+``nn.SyncBatchNorm`` side by side.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from common import (
     Findings,
     GroupOfOne,
@@ -32,6 +31,7 @@ from common import (
     set_transport,
     time_per_call,
 )
+from part_step import measure_steps
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
@@ -134,47 +134,4 @@ def run(findings: Findings, device: str) -> None:
         findings.table(
             f"One BN layer, forward + backward, one-rank group ({calls} calls x {repeats})", header, rows
         )
-        for batch in (4,) if small else (8, 64):
-            _model_step(findings, device, small, batch)
-
-
-def _model_step(findings: Findings, device: str, small: bool, batch: int) -> None:
-    import torchvision
-
-    torch.backends.cudnn.benchmark = True
-    size, steps, repeats = (64, 2, 2) if small else (224, 10, 5)
-    name = "resnet18" if small else "resnet50"
-    x = torch.randn(batch, 3, size, size, device=device).contiguous(memory_format=torch.channels_last)
-    labels = torch.randint(0, 1000, (batch,), device=device)
-    rows, times = [], {}
-    for variant in ("native", "distsync"):
-        torch.manual_seed(0)
-        model = getattr(torchvision.models, name)()
-        if variant == "distsync":
-            model = distsync.convert_sync_batchnorm(model)
-            synced = set_transport(model, GroupOfOne)
-        model = model.to(device, memory_format=torch.channels_last)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-        def step() -> None:
-            with torch.autocast(device, dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(x), labels)  # noqa: B023
-            loss.backward()
-            optimizer.step()  # noqa: B023
-            optimizer.zero_grad(set_to_none=True)  # noqa: B023
-
-        for _ in range(3):
-            step()
-        wall, cpu = time_per_call(step, device, steps, repeats)
-        distsync.check_sync()
-        times[variant] = wall
-        rows.append([variant, fmt(wall), f"{batch / wall:.0f}", fmt(cpu)])
-    ratio = times["distsync"] / times["native"]
-    rows.append(["distsync / native", f"{ratio:.3f}", "", ""])
-    findings.table(
-        f"{name}, batch {batch}, {size} px, bf16 autocast, channels_last, SGD: one training step "
-        f"({synced} synchronized layers over the one-rank group)",
-        ["variant", "step", "images/s", "CPU per step"],
-        rows,
-    )
-    findings.figure(f"{name} step at batch {batch}, distsync / native", round(ratio, 3))
+        measure_steps(findings, device, ("eager",), budget_s=60)  # compiled: part 8, a run of its own

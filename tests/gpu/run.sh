@@ -3,6 +3,7 @@
 #
 #   bash tests/gpu/run.sh --fetch      # here, where a package registry answers: the wheels into .whl/
 #   bash tests/gpu/run.sh [OUT_DIR]    # on the GPU machine (no registry): install them, then run the check
+#   bash tests/gpu/run.sh OUT_DIR --only step    # the same install, then those parts (check.py's options)
 #
 # The install adds the carried wheels and distsync itself to a folder of their own on PYTHONPATH
 # ($DISTSYNC_GPU_SITE, default /tmp/distsync-gpu-site), without dependencies: the machine's torch and every
@@ -40,6 +41,7 @@ if [ "${1:-}" = "--fetch" ]; then
     exit
 fi
 out=${1:-${OUT:-gpu-check}}
+shift $(( $# > 0 ? 1 : 0 ))
 if ! have_wheels; then
     echo "tests/gpu/run.sh: .whl/ lacks some of tests/gpu/wheels.txt; fetching them (needs a registry)"
     fetch || { echo "tests/gpu/run.sh: no wheels and no registry: run 'bash tests/gpu/run.sh --fetch' first"; exit 2; }
@@ -55,4 +57,4 @@ started=$SECONDS
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 (cd / && "$python" -c 'import distsync, hydra, torch; print("distsync from", distsync.__file__, "| hydra", hydra.__version__, "| torch", torch.__version__)') || exit 2
 echo "installed in $((SECONDS - started)) s"
-exec "$python" tests/gpu/check.py --out "$out"
+exec "$python" tests/gpu/check.py --out "$out" "$@"
