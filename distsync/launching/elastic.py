@@ -128,9 +128,10 @@ def launch(
         nnodes: nodes, ``N`` or ``"MIN:MAX"`` (elastic). Default: 1
         rdzv_backend: rendezvous backend (``c10d``, ``etcd``, ``etcd-v2``, ``static``). Default: ``"c10d"``
         rdzv_endpoint: ``host:port`` where the nodes meet. Under SLURM with ``nnodes > 1`` it defaults
-            to the allocation's first host, on a port that follows from the job id (``20000 + id % 10000``),
-            so that two jobs never meet in one store. A store that another run's agents meet in is refused.
-            Default: ``""``
+            to the allocation's first host, on the first of the job's own ports (``20000 + id % 10000``,
+            then 15 more that follow from the id) that no other program or run holds, so that two jobs
+            never meet in one store (:mod:`~distsync.launching.slurm_rendezvous`). A store that another
+            run's agents meet in is refused. Default: ``""``
         rdzv_id: the job's id, the same on every node; under SLURM the job id. Default: ``""``
         rdzv_conf: extra rendezvous settings; ``timeout`` is the rendezvous timeout in seconds, with any
             backend (torch's ``join_timeout`` for ``c10d``). Default: ``{"timeout": 900}`` with several

@@ -256,23 +256,19 @@ class _Prober:
     """Whose store answers at a port of ``host``, asked without ever hanging or writing to it.
 
     A TCP connect first: nothing listening costs nothing. Then a store client, in a thread of its own: a
-    program that accepts connections but never answers would hold it forever. Such a thread is left
-    behind, one per port at most (the port counts as not answering while it waits), and a port whose
-    program answered otherwise than a store is asked again only :data:`_QUIET_S` later (torch logs each
-    failed handshake at length).
+    program that accepts connections but never answers would hold it forever (torch's handshake waits
+    without a timeout), so after :data:`_CONNECT_S` its connection is shut down under it, which ends the
+    thread (one left blocked would abort the process at its exit). A port whose program did not answer as
+    a store is asked again only :data:`_QUIET_S` later (torch logs each failed handshake at length).
     """
 
     def __init__(self, host: str) -> None:
         self.host = host
-        self._waiting: dict[int, threading.Thread] = {}
         self._quiet_until: dict[int, float] = {}
 
     def owner(self, port: int, wait_s: float) -> str | None:
         """The run id in the store at ``port``, waiting up to ``wait_s`` for one to be written; ``""`` for a
         store without one; None where no store answers."""
-        waiting = self._waiting.get(port)
-        if waiting is not None and waiting.is_alive():
-            return None
         if time.monotonic() < self._quiet_until.get(port, 0.0):
             return None
         try:
@@ -287,11 +283,9 @@ class _Prober:
             daemon=True,
         )  # fmt: skip
         thread.start()
-        connected.wait(2 * _CONNECT_S + 1.0)  # the handshake: a store answers it at once
-        thread.join((wait_s + 1.0) if connected.is_set() else 0.0)
-        if thread.is_alive():
-            self._waiting[port] = thread
-            return None
+        if not connected.wait(2 * _CONNECT_S + 1.0):  # the handshake: a store answers it at once
+            _shut_connections_to(port)
+        thread.join(wait_s + 2 * _CONNECT_S + 1.0)
         if not answer:
             self._quiet_until[port] = time.monotonic() + _QUIET_S
             return None
@@ -313,3 +307,22 @@ class _Prober:
             answer.append(store.get(OWNER_KEY).decode() if store.check([OWNER_KEY]) else "")
         except (RuntimeError, TimeoutError):  # the store went away meanwhile
             answer.append(None)
+
+
+def _shut_connections_to(port: int) -> None:
+    """Shut down this process's TCP connections to ``port`` (found among its open files): a store client
+    blocked on one returns with an error. Nothing else here connects to a port that is not a store."""
+    with contextlib.suppress(OSError):
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+        for fd in fds:
+            try:
+                sock = socket.socket(fileno=fd)
+            except OSError:
+                continue  # not a socket, or closed meanwhile
+            try:
+                if sock.type == socket.SOCK_STREAM and sock.getpeername()[1] == port:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except (OSError, IndexError, TypeError):
+                pass
+            finally:
+                sock.detach()  # the descriptor stays the client's
