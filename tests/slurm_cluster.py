@@ -169,6 +169,14 @@ class SlurmCluster:
             raise RuntimeError(f"sbatch {script}: {proc.stderr.strip()}")
         return proc.stdout.strip().split(";")[0]
 
+    def number_next_job(self, job_id: int) -> None:
+        """The next job submitted gets the id ``job_id`` (above every id so far: SLURM's ``FirstJobId``,
+        which the controller takes on at ``scontrol reconfigure``), as two real jobs ``N`` and ``N + 10000``
+        of a long-lived cluster have."""
+        text = re.sub(r"(?m)^FirstJobId=.*\n", "", self.conf.read_text())
+        self.conf.write_text(f"{text}FirstJobId={job_id}\n")
+        self.scontrol("reconfigure")
+
     def job(self, job_id: str) -> dict[str, str]:
         """The job's fields as ``scontrol show job`` lists them (``JobState``, ``NodeList``, ``Restarts``
         ...); ``{}`` once the controller has forgotten it."""

@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import pytest
 from launching import ROOT, SCRIPT, job_env, summary
 from slurm_cluster import SlurmCluster
 
-from distsync.launching.rendezvous import slurm_port
+from distsync.launching.slurm_rendezvous import slurm_port, slurm_ports
 from distsync.testing import timeout_scale
 
 pytestmark = pytest.mark.slow
@@ -252,6 +253,46 @@ def test_two_jobs_sharing_their_first_node_meet_apart(slurm_cluster, tmp_path):
     for job, cwd in ((first, first_dir), (second, second_dir)):
         rendezvous = f"waiting for 2 node(s) at 127.0.0.1:{slurm_port(job)} (rendezvous {job})"
         assert output(cwd, job).count(rendezvous) == 2, output(cwd, job)[-4000:]  # one line per node
+
+
+def test_jobs_whose_ports_collide_and_a_port_another_program_holds_meet_apart(slurm_cluster, tmp_path):
+    """Issue 53's two cases on real jobs: ids ``N`` and ``N + 10000`` (the same first port) on the same
+    nodes, and a program that holds the second job's next port (it accepts connections, never answers).
+    The first job meets at its first port and trains on; the second one's agents pass over the first job's
+    store and the program, meet at its third port and finish; every node of both ends as it should."""
+    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
+    first_dir.mkdir(), second_dir.mkdir()
+    first = submit(slurm_cluster, first_dir, *TINY, "trainer.max_steps=1000000", options=(*SMALL, "--hold"))
+    slurm_cluster.number_next_job(int(first) + 10000)
+    slurm_cluster.scontrol("release", first)
+    ports = slurm_ports(int(first) + 10000)
+    assert ports[0] == slurm_port(first)
+    first_run = first_dir / "outputs" / "slurm" / f"{first}.0"
+    with socket.socket() as program:
+        program.bind(("127.0.0.1", ports[1]))
+        program.listen(16)
+        trains = lambda: len(train_steps(first_run)) >= 2  # noqa: E731
+        wait_until(trains, 120, "the first job does not train", slurm_cluster)
+        started = time.monotonic()
+        second = submit(slurm_cluster, second_dir, *TINY)
+        assert second == str(int(first) + 10000)
+        ended = slurm_cluster.wait_for(second, ENDED, 240)
+        took = time.monotonic() - started
+    assert ended["JobState"] == "COMPLETED", output(second_dir, second)[-4000:]
+    s = summary(second_dir / "outputs" / "slurm" / f"{second}.0")
+    assert s["world_size"] == 2 and s["steps"] == 200 and s["restarts"] == 0
+    trained = len(train_steps(first_run))
+    assert slurm_cluster.job(first)["JobState"] == "RUNNING"
+    trains_on = lambda: len(train_steps(first_run)) > trained  # noqa: E731
+    wait_until(trains_on, 60, "the first job stopped training", slurm_cluster)
+    slurm_cluster.run("scancel", first)
+    slurm_cluster.wait_for(first, ENDED, 60)
+    steps = train_steps(first_run)
+    assert steps == sorted(set(steps)), output(first_dir, first)[-4000:]  # one world: no restart went back
+    for job, cwd, port in ((first, first_dir, ports[0]), (second, second_dir, ports[2])):
+        rendezvous = f"waiting for 2 node(s) at 127.0.0.1:{port} (rendezvous {job})"
+        assert output(cwd, job).count(rendezvous) == 2, output(cwd, job)[-4000:]  # one line per node
+    print(f"the second job, from sbatch to its end: {took:.1f} s")
 
 
 def test_a_two_job_sweep_through_hydras_submitit_launcher(slurm_cluster, tmp_path):

@@ -19,14 +19,18 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import sys
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
-from distsync.launching.rendezvous import RendezvousError, claimed_store
+from distsync.launching.rendezvous import RendezvousError, check_store_answers, claimed_store
+from distsync.launching.slurm_rendezvous import (
+    SlurmRendezvous,
+    claimed_slurm_store,
+    slurm_rendezvous,
+    slurm_run_id,
+)
 from distsync.launching.worker import NonRetryableError
 from distsync.launching.world_size import ask_in_place, sized_by_fn
 
@@ -124,9 +128,10 @@ def launch(
         nnodes: nodes, ``N`` or ``"MIN:MAX"`` (elastic). Default: 1
         rdzv_backend: rendezvous backend (``c10d``, ``etcd``, ``etcd-v2``, ``static``). Default: ``"c10d"``
         rdzv_endpoint: ``host:port`` where the nodes meet. Under SLURM with ``nnodes > 1`` it defaults
-            to the allocation's first host, on a port that follows from the job id (``20000 + id % 10000``),
-            so that two jobs never meet in one store. A store that another run's agents meet in is refused.
-            Default: ``""``
+            to the allocation's first host, on the first of the job's own ports (``20000 + id % 10000``,
+            then 15 more that follow from the id) that no other program or run holds, so that two jobs
+            never meet in one store (:mod:`~distsync.launching.slurm_rendezvous`). A store that another
+            run's agents meet in is refused. Default: ``""``
         rdzv_id: the job's id, the same on every node; under SLURM the job id. Default: ``""``
         rdzv_conf: extra rendezvous settings; ``timeout`` is the rendezvous timeout in seconds, with any
             backend (torch's ``join_timeout`` for ``c10d``). Default: ``{"timeout": 900}`` with several
@@ -211,7 +216,10 @@ def launch(
 
         rdzv_backend, rdzv_endpoint, rdzv_id = backend(), "localhost:0", rdzv_id or uuid.uuid4().hex
     else:
-        rdzv_endpoint, rdzv_id = _rendezvous(rdzv_endpoint, rdzv_id, max_nodes)
+        try:
+            rdzv_endpoint, rdzv_id, slurm = _rendezvous(rdzv_endpoint, rdzv_id, max_nodes)
+        except RendezvousError as unknown:
+            raise LaunchError(str(unknown)) from None
     rdzv_conf, timeout_s = _rendezvous_conf(rdzv_backend, rdzv_conf, max_nodes)
 
     if start_method == "forkserver" and start_method not in multiprocessing.get_all_start_methods():
@@ -232,19 +240,19 @@ def launch(
         monitor_interval=monitor_interval,
         start_method=start_method,
     )
-    if max_nodes > 1:  # the rendezvous says nothing while it waits, up to its timeout
-        print(
-            f"waiting for {min_nodes} node(s) at {rdzv_endpoint} (rendezvous {rdzv_id})",
-            file=sys.stderr,
-            flush=True,
-        )
-    if not standalone and rdzv_backend in ("c10d", "static"):
-        _check_store_answers(rdzv_endpoint, timeout_s)
+    walks = slurm is not None and rdzv_backend == "c10d"  # the endpoint: the store its walk finds
+    if max_nodes > 1 and not walks:
+        _say_waiting(config)
+    if not standalone and rdzv_backend in ("c10d", "static") and not walks:
+        try:
+            check_store_answers(rdzv_endpoint, timeout_s)
+        except RendezvousError as silent:
+            raise LaunchError(str(silent)) from None
     if start_method == "forkserver":
         start_fork_server()
     try:
         with (
-            _store_of_this_run(config, standalone, timeout_s),
+            _store_of_this_run(config, standalone, timeout_s, slurm if walks else None),
             ranks_ending_watched(),
             main_import_deferred(),
         ):
@@ -312,17 +320,18 @@ def _nproc(nproc_per_node: int | str) -> int:
     return count
 
 
-def _rendezvous(endpoint: str, run_id: str, max_nodes: int) -> tuple[str, str]:
-    """The rendezvous endpoint and id of a multi-node job; inside a SLURM job, defaults from SLURM."""
-    if "SLURM_JOB_ID" in os.environ and (not endpoint or not run_id):
-        from distsync.launching.rendezvous import slurm_rendezvous
-
-        slurm_endpoint, job_id = slurm_rendezvous()
-        endpoint = endpoint or slurm_endpoint
-        run_id = run_id or job_id
+def _rendezvous(endpoint: str, run_id: str, max_nodes: int) -> tuple[str, str, SlurmRendezvous | None]:
+    """The rendezvous endpoint and id of a multi-node job; inside a SLURM job, defaults from SLURM: then
+    also where the job's store is looked for, if the endpoint was not given (its first port until found)."""
+    slurm = None
+    if "SLURM_JOB_ID" in os.environ:
+        run_id = run_id or slurm_run_id()
+        if not endpoint:
+            slurm = slurm_rendezvous()
+            endpoint = f"{slurm.host}:{slurm.ports[0]}"
     if not endpoint and max_nodes > 1:
         raise ValueError("rdzv_endpoint must be host:port when nnodes > 1 outside SLURM")
-    return endpoint or "localhost:0", run_id or "distsync"
+    return endpoint or "localhost:0", run_id or "distsync", slurm
 
 
 def _rendezvous_conf(
@@ -343,16 +352,34 @@ def _rendezvous_conf(
 
 
 @contextlib.contextmanager
-def _store_of_this_run(config: Any, standalone: bool, timeout_s: float) -> Iterator[None]:
+def _store_of_this_run(
+    config: Any, standalone: bool, timeout_s: float, slurm: SlurmRendezvous | None
+) -> Iterator[None]:
     """A c10d rendezvous of several agents meets in a store that belongs to this run
     (:func:`~distsync.launching.rendezvous.claimed_store`); torch's rendezvous serves it from this process
-    if this process serves it already."""
+    if this process serves it already. With ``slurm``, the store is the one the walk over the job's ports
+    finds (:func:`~distsync.launching.slurm_rendezvous.claimed_slurm_store`), and the endpoint becomes its."""
     if standalone or config.rdzv_backend != "c10d":
         yield
-        return
-    with claimed_store(config.rdzv_endpoint, config.run_id, timeout_s) as serving:
-        config.rdzv_configs.setdefault("is_host", serving)
-        yield
+    elif slurm is None:
+        with claimed_store(config.rdzv_endpoint, config.run_id, timeout_s) as serving:
+            config.rdzv_configs.setdefault("is_host", serving)
+            yield
+    else:
+        with claimed_slurm_store(slurm, config.run_id, timeout_s) as (config.rdzv_endpoint, serving):
+            config.rdzv_configs.setdefault("is_host", serving)
+            if config.max_nodes > 1:
+                _say_waiting(config)
+            yield
+
+
+def _say_waiting(config: Any) -> None:
+    """The rendezvous says nothing while it waits, up to its timeout: say where it waits."""
+    print(
+        f"waiting for {config.min_nodes} node(s) at {config.rdzv_endpoint} (rendezvous {config.run_id})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _stop_the_caller(signum: int) -> NoReturn:
@@ -361,50 +388,6 @@ def _stop_the_caller(signum: int) -> NoReturn:
     name = signal.Signals(signum).name
     print(f"distsync.launch: stopped by {name}; the workers were stopped", file=sys.stderr, flush=True)
     raise SystemExit(128 + signum)  # the shell's code for a process ended by the signal
-
-
-def _check_store_answers(endpoint: str, timeout_s: float) -> None:
-    """If a process already listens at ``endpoint``, it must answer as a torch store within ``timeout_s``.
-
-    It is then the rendezvous store of another node of this job (or of another job at the same
-    endpoint). A program that accepts connections there but never answers (another service on that
-    port) would hold torch's store client forever, silently: so try a client here, in a thread that
-    may stay blocked, and give up after the rendezvous timeout with a message naming the endpoint.
-    """
-    from datetime import timedelta
-
-    from torch.distributed import TCPStore
-
-    host, _, port = endpoint.rpartition(":")
-    try:
-        with socket.create_connection((host or "localhost", int(port)), timeout=5):
-            pass
-    except (OSError, ValueError):
-        return  # nobody listens (yet): torch hosts the store there, or waits for the node that will
-    answered = threading.Event()
-
-    def probe() -> None:
-        try:
-            store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
-            store.check(["distsync"])
-        except Exception:  # torch's own rendezvous then reports the store's error
-            pass
-        answered.set()
-
-    threading.Thread(target=probe, name="distsync-rendezvous-probe", daemon=True).start()
-    if answered.wait(min(5.0, timeout_s)):
-        return
-    print(
-        f"distsync.launch: {endpoint} accepts connections but does not answer as a rendezvous store "
-        f"(another program on that port?); waiting up to {timeout_s:g} s",
-        file=sys.stderr,
-        flush=True,
-    )
-    if not answered.wait(max(timeout_s - 5.0, 0.0)):
-        raise LaunchError(
-            f"no rendezvous at {endpoint} within {timeout_s:g} s: a program that is not a torch store "
-            "holds that port; choose another rdzv_endpoint"
-        )
 
 
 def start_fork_server() -> None:

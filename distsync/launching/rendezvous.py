@@ -2,85 +2,31 @@
 
 A multi-node world meets in the c10d rendezvous store that the agent on the endpoint's host serves. Two jobs
 at one endpoint would meet in one store: the second job's agents would connect to the first job's store as
-clients, and die with it when the first job ends. So
-
-* under SLURM, the endpoint follows from the job: the first node of the allocation (its address as SLURM
-  knows it, where its name does not resolve) and a port computed from the job id
-  (:func:`slurm_rendezvous`): two jobs whose first node is the same meet on ports of their own; a job
-  requeued keeps its id, its port and its run;
-* whatever the endpoint, the store carries the run it belongs to (:func:`claimed_store`): the first agent to
-  reach it writes its run id there, and an agent of another run is refused with one line naming both
-  (:class:`RendezvousError`).
+clients, and die with it when the first job ends. So whatever the endpoint, the store carries the run it
+belongs to (:func:`claimed_store`): the first agent to reach it writes its run id there, and an agent of
+another run is refused with one line naming both (:class:`RendezvousError`). Under SLURM the endpoint follows
+from the job, on a port no other run holds (:mod:`~distsync.launching.slurm_rendezvous`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
-import os
 import socket
-import subprocess
+import sys
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 
-__all__ = ["RendezvousError", "claimed_store", "on_this_machine", "slurm_port", "slurm_rendezvous"]
-
-SLURM_PORTS = range(20000, 30000)
-"""Ports of SLURM jobs' rendezvous: below Linux's ephemeral ports (32768 up), where no outgoing connection
-takes one by chance; job ``N`` meets on ``20000 + N % 10000``."""
+__all__ = ["OWNER_KEY", "RendezvousError", "check_store_answers", "claimed_store", "on_this_machine"]
 
 OWNER_KEY = "distsync/rendezvous_run"
 """The store key holding the run id of the job the store belongs to."""
 
 
 class RendezvousError(RuntimeError):
-    """The rendezvous store at the endpoint belongs to another run, or never came up."""
-
-
-def slurm_port(job_id: str | int) -> int:
-    """The rendezvous port of SLURM job ``job_id`` (numeric: ``SLURM_JOB_ID``, unique per array task)."""
-    return SLURM_PORTS.start + int(job_id) % len(SLURM_PORTS)
-
-
-def slurm_rendezvous(environ: os._Environ | dict[str, str] | None = None) -> tuple[str, str]:
-    """``(endpoint, run id)`` of the SLURM job this process runs in: the first node's address and the job's
-    port (:func:`slurm_port`), and the job's id (submitit's, ``<array job>_<task>`` for an array task)."""
-    environ = os.environ if environ is None else environ
-    host, job_id = _first_host_and_id(environ)
-    return f"{_address(host)}:{slurm_port(environ['SLURM_JOB_ID'])}", job_id
-
-
-def _first_host_and_id(environ) -> tuple[str, str]:
-    """First host of the allocation and the job id, from submitit or else ``scontrol``."""
-    try:
-        import submitit
-
-        env = submitit.JobEnvironment()
-        return env.hostnames[0], str(env.job_id)
-    except (ImportError, RuntimeError):
-        pass
-    nodes = _scontrol("show", "hostnames", environ["SLURM_JOB_NODELIST"]).split()
-    array = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    job_id = f"{array[0]}_{array[1]}" if all(array) else environ["SLURM_JOB_ID"]
-    return (nodes[0] if nodes else socket.gethostname()), job_id
-
-
-def _address(node: str) -> str:
-    """``node`` if its name resolves here, else the ``NodeAddr`` SLURM has for it."""
-    try:
-        socket.getaddrinfo(node, None)
-        return node
-    except socket.gaierror:
-        pass
-    with contextlib.suppress(OSError, subprocess.CalledProcessError):
-        for field in _scontrol("show", "node", "--oneliner", node).split():
-            if field.startswith("NodeAddr="):
-                return field.removeprefix("NodeAddr=")
-    return node
-
-
-def _scontrol(*args: str) -> str:
-    return subprocess.run(["scontrol", *args], capture_output=True, text=True, check=True).stdout
+    """The rendezvous store at the endpoint belongs to another run, or never came up, or its endpoint
+    cannot be found."""
 
 
 # ------------------------------------------------------------------------------------------- the store
@@ -150,3 +96,46 @@ def claimed_store(endpoint: str, run_id: str, timeout_s: float) -> Iterator[bool
         if serving:
             with contextlib.suppress(Exception):
                 store.delete_key(OWNER_KEY)
+
+
+def check_store_answers(endpoint: str, timeout_s: float) -> None:
+    """If a process already listens at ``endpoint``, it must answer as a torch store within ``timeout_s``,
+    or :class:`RendezvousError` says so.
+
+    It is then the rendezvous store of another node of this job (or of another job at the same
+    endpoint). A program that accepts connections there but never answers (another service on that
+    port) would hold torch's store client forever, silently: so try a client here, in a thread that
+    may stay blocked, and give up after the rendezvous timeout with a message naming the endpoint.
+    """
+    from torch.distributed import TCPStore
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host or "localhost", int(port)), timeout=5):
+            pass
+    except (OSError, ValueError):
+        return  # nobody listens (yet): torch hosts the store there, or waits for the node that will
+    answered = threading.Event()
+
+    def probe() -> None:
+        try:
+            store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+            store.check(["distsync"])
+        except Exception:  # torch's own rendezvous then reports the store's error
+            pass
+        answered.set()
+
+    threading.Thread(target=probe, name="distsync-rendezvous-probe", daemon=True).start()
+    if answered.wait(min(5.0, timeout_s)):
+        return
+    print(
+        f"distsync.launch: {endpoint} accepts connections but does not answer as a rendezvous store "
+        f"(another program on that port?); waiting up to {timeout_s:g} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    if not answered.wait(max(timeout_s - 5.0, 0.0)):
+        raise RendezvousError(
+            f"no rendezvous at {endpoint} within {timeout_s:g} s: a program that is not a torch store "
+            "holds that port; choose another rdzv_endpoint"
+        )
