@@ -254,7 +254,8 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
         self._updates_running_stats = copy_id == 0
 
     def _reducer(self) -> Reducer | None:
-        """Who this layer syncs with right now, or None to behave like plain BatchNorm."""
+        """Who this layer syncs with right now, or None to behave like plain BatchNorm. Under a process group,
+        a layer alone in its group meets its callers at its first call as a synchronized layer does."""
         if self._replica_reducer is not None:
             return self._replica_reducer
         if getattr(self, "_is_replica", False):  # copied by nn.DataParallel but not wired by the callback
@@ -272,9 +273,12 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
         if cached is None or cached[0] is not group:
             cached = state.transport = (group, process_group_reducer(self.process_group))
         reducer = cached[1]
-        if reducer is not None:
-            for check in _outside_join:
-                check(self)
+        if reducer is None:
+            if state.identity is None:  # alone in its group: its statistics leave DDP's broadcast too
+                meet_callers(self, 1)
+            return None
+        for check in _outside_join:
+            check(self)
         return reducer
 
     def forward(self, input: Tensor) -> Tensor:
@@ -414,7 +418,6 @@ def _apply_sync(
     """The synchronized training call of ``layer`` in eager mode: its autograd Function."""
     state = layer._sync_state
     if state.identity is None:
-        state.resolve(layer, layer.num_features)
         meet_callers(layer, reducer.world_size)
     call = SyncCall(
         running_mean, running_var, num_batches_tracked, momentum, eps, layer.eps_mode == "clamp", channels,

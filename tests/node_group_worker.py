@@ -1,5 +1,7 @@
-"""A torchrun worker for the node-group test: syncs within its node through a node group and a DeviceMesh."""
+"""A torchrun worker for the node-group tests: syncs within its node through a node group and a DeviceMesh,
+or (``ddp``) trains under DDP's defaults with a node group, nodes of unequal sizes allowed."""
 
+import datetime
 import json
 import sys
 
@@ -10,8 +12,9 @@ from torch.distributed.device_mesh import init_device_mesh
 import distsync
 
 
-def batch(rank: int) -> torch.Tensor:
-    return torch.randn(2 + rank, 3, generator=torch.Generator().manual_seed(rank), dtype=torch.float64) + rank
+def batch(rank: int, step: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(rank + 10 * step)
+    return torch.randn(2 + rank, 3, generator=generator, dtype=torch.float64) + rank
 
 
 def main(out_dir: str) -> None:
@@ -29,5 +32,29 @@ def main(out_dir: str) -> None:
     dist.destroy_process_group()
 
 
+def ddp_main(out_dir: str, steps: int) -> None:
+    """Steps of ``DDP(layer)`` with DDP's defaults (buffers broadcast before each forward), the layer syncing
+    within this rank's node; a hang fails after 20 s instead of the default timeout."""
+    distsync.init_distributed(timeout=datetime.timedelta(seconds=20))
+    rank = dist.get_rank()
+    node_group = distsync.create_syncbn_process_group("node")
+    layer = distsync.DistSyncBatchNorm1d(3, dtype=torch.float64, process_group=node_group)
+    ddp = torch.nn.parallel.DistributedDataParallel(layer)
+    result = {"node_ranks": dist.get_process_group_ranks(node_group), "outputs": [], "input grads": []}
+    for step in range(steps):
+        x = batch(rank, step).requires_grad_()
+        out = ddp(x)
+        out.backward(x.detach() ** 2)
+        result["outputs"].append(out.tolist())
+        result["input grads"].append(x.grad.tolist())
+    result.update({name: buffer.tolist() for name, buffer in layer.named_buffers()})
+    with open(f"{out_dir}/rank{rank}.json", "w") as file:
+        json.dump(result, file)
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:3] == ["ddp"]:
+        ddp_main(sys.argv[1], int(sys.argv[3]))
+    else:
+        main(sys.argv[1])

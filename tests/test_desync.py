@@ -218,3 +218,96 @@ def test_default_ddp_broadcasts_other_buffers_but_not_the_synchronized_statistic
     (scale0, moved0), (scale1, moved1) = run_world(_broadcast_buffers, 2)
     assert scale0 == scale1 == 1.0  # rank 0's, broadcast before the last forward
     assert moved0 == pytest.approx(moved1)  # each rank's own value, moved alike by the synchronized call
+
+
+# Groups of 2 and 1 under DDP's defaults: what leaves DDP's broadcast must not depend on the size of a rank's
+# group, or DDP's buffer lists differ between ranks and its broadcast meets a collective of another kind.
+UNEQUAL_GROUPS = ([0, 1], [2])
+UNEQUAL_SIZES = (2, 3, 4)  # per-rank batch sizes
+
+
+def _unequal_batch(rank, step):
+    generator = torch.Generator().manual_seed(rank + 10 * step)
+    return (torch.randn(UNEQUAL_SIZES[rank], 4, 3, 3, generator=generator, dtype=torch.float64) + rank,
+            torch.randn(UNEQUAL_SIZES[rank], 4, 3, 3, generator=generator, dtype=torch.float64))  # fmt: skip
+
+
+def _plain_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.BatchNorm2d(4), torch.nn.Conv2d(4, 4, 1), torch.nn.BatchNorm2d(4, momentum=None)
+    ).double()
+
+
+def _unequal_groups_under_default_ddp(rank, world_size, extra_call):
+    """Three steps of DDP(model) with its defaults, groups [0, 1] and [2]; every rank also trains the plain
+    float64 model on each group's whole batch and returns how far its own layers are from it."""
+    import copy
+    import datetime
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.distributed.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=20))  # a hang fails fast
+    group, _ = torch.distributed.new_subgroups_by_enumeration(UNEQUAL_GROUPS)
+    references = [_plain_net() for _ in UNEQUAL_GROUPS]
+    model = distsync.convert_sync_batchnorm(copy.deepcopy(references[0]), process_group=group)
+    ddp = DDP(model)
+    mine = next(g for g, ranks in enumerate(UNEQUAL_GROUPS) if rank in ranks)
+    distance = 0.0
+
+    def far(a, b):
+        return (a - b).abs().max().item()
+
+    def train():
+        nonlocal distance
+        for step in range(3):
+            x, dy = _unequal_batch(rank, step)
+            x.requires_grad_()
+            out = ddp(x)
+            out.backward(dy)
+            grads = []
+            for reference, ranks in zip(references, UNEQUAL_GROUPS, strict=True):
+                batches = [_unequal_batch(r, step) for r in ranks]
+                ref_x = torch.cat([b[0] for b in batches]).requires_grad_()
+                ref_out = reference(ref_x)
+                ref_out.backward(torch.cat([b[1] for b in batches]))
+                grads.append([p.grad for p in reference.parameters()])
+                if reference is references[mine]:
+                    start = sum(UNEQUAL_SIZES[r] for r in ranks if r < rank)
+                    rows = slice(start, start + UNEQUAL_SIZES[rank])
+                    distance = max(distance, far(out, ref_out[rows]), far(x.grad, ref_x.grad[rows]))
+            averaged = [sum(g) / world_size for g in zip(*grads, strict=True)]  # DDP's mean over its world
+            for p, g in zip(model.parameters(), averaged, strict=True):
+                distance = max(distance, far(p.grad, g))
+            with torch.no_grad():  # one SGD step, the same for the model and the references
+                for module in (model, *references):
+                    for p, g in zip(module.parameters(), averaged, strict=True):
+                        p -= 0.1 * g
+            for module in (model, *references):
+                module.zero_grad()
+            if extra_call and rank == 0 and step == 1:  # after DDP's own once-only collective (its buckets)
+                model[-1](torch.randn(3, 4, 2, 2, dtype=torch.float64))  # one synchronized call more than 1
+        for name, buffer in model.named_buffers():
+            distance = max(distance, far(buffer.double(), references[mine].get_buffer(name).double()))
+
+    outcome = _outcome(train)
+    return outcome, distance
+
+
+def test_unequal_groups_train_under_default_ddp_as_batch_norm_on_each_groups_batch():
+    """The rank alone in its group leaves its layers' statistics out of DDP's broadcast as the others do:
+    the same buffer lists on every rank, so nothing hangs, and each layer keeps its own group's statistics
+    (for the group of one, its own batch's) instead of rank 0's."""
+    for rank, (outcome, distance) in enumerate(run_world(_unequal_groups_under_default_ddp, 3, False)):
+        assert outcome == (None, ""), (rank, outcome)
+        assert distance < 1e-10, (rank, distance)
+
+
+def test_an_extra_call_beside_a_group_of_one_under_default_ddp_raises_in_its_group():
+    """Rank 0 makes one synchronized call more than rank 1: both raise SyncMismatchError at rank 1's next
+    call, not a gloo timeout; rank 2, alone in its group, then fails in DDP's next collective, as its peers
+    have left it."""
+    outcomes = run_world(_unequal_groups_under_default_ddp, 3, True)
+    for rank in UNEQUAL_GROUPS[0]:
+        assert outcomes[rank][0][0] == "SyncMismatchError", outcomes[rank]
+    assert outcomes[2][0][0] is not None  # its peers left DDP's next collective: it raises, it does not hang

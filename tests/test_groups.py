@@ -1,6 +1,7 @@
 """Synced BN within groups of k ranks equals float64 BatchNorm on each group's concatenated batch."""
 
 import json
+import os
 import subprocess
 import sys
 import uuid
@@ -92,30 +93,71 @@ def test_zero_and_the_world_size_are_the_same_group_size():
     assert mean0 == mean1 == [0.05, 0.05]  # momentum 0.1 times the global mean 0.5
 
 
+def _run_nodes(tmp_path, ranks_per_node, *worker_args):
+    """Run node_group_worker.py under one torchrun agent per node on this machine; each rank's result."""
+    script = Path(__file__).with_name("node_group_worker.py")
+    endpoint = f"localhost:{free_port()}"
+    rdzv_id = f"nodes-{uuid.uuid4().hex[:8]}"
+    here = (Path(__file__).parent, Path(distsync.__file__).parents[1])  # the worker; the distsync under test
+    env = job_env(PYTHONPATH=os.pathsep.join(map(str, here)))
+    agents = [
+        subprocess.Popen(
+            [
+                sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(ranks_per_node)}",
+                f"--nproc_per_node={count}", "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}",
+                f"--rdzv_id={rdzv_id}", str(script), str(tmp_path), *worker_args,
+            ],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        )
+        for count in ranks_per_node
+    ]  # fmt: skip
+    outputs = [agent.communicate(timeout=240)[0].decode() for agent in agents]
+    assert [agent.returncode for agent in agents] == [0] * len(agents), outputs
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(sum(ranks_per_node))]
+
+
 @pytest.mark.slow
 def test_node_groups_and_mesh_dimensions_sync_within_each_node(tmp_path):
     """Two torchrun agents on this machine, 2 ranks each: "node" groups and a DeviceMesh dimension give
     each node the statistics of its own ranks' batches."""
-    script = Path(__file__).with_name("node_group_worker.py")
-    endpoint = f"localhost:{free_port()}"
-    args = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-        "--rdzv_backend=c10d", f"--rdzv_endpoint={endpoint}", f"--rdzv_id=nodes-{uuid.uuid4().hex[:8]}",
-        str(script), str(tmp_path),
-    ]  # fmt: skip
-    env = job_env(PYTHONPATH=str(Path(__file__).parent))
-    agents = [
-        subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)
-    ]
-    outputs = [agent.communicate(timeout=240)[0].decode() for agent in agents]
-    assert [agent.returncode for agent in agents] == [0, 0], outputs
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-    for rank, result in enumerate(results):
+    for rank, result in enumerate(_run_nodes(tmp_path, (2, 2))):
         node = [0, 1] if rank < 2 else [2, 3]
         assert result["node_ranks"] == node
         expected = torch.cat([batch(r) for r in node]).mean(0)
         torch.testing.assert_close(torch.tensor(result["node group"], dtype=torch.float64), 0.1 * expected)
         assert result["mesh dim"] == result["node group"]
+
+
+@pytest.mark.slow
+def test_nodes_of_two_and_one_workers_train_under_default_ddp(tmp_path):
+    """Nodes of 2 and 1 workers, DDP's defaults: the worker alone on its node leaves its layer's statistics
+    out of DDP's buffer broadcast as the others do (else DDP's buffer lists differ and every rank hangs);
+    each node's outputs, input gradients and running statistics are float64 BatchNorm's on its batches."""
+    steps = 3
+    results = _run_nodes(tmp_path, (2, 1), "ddp", str(steps))
+    nodes = sorted({tuple(result["node_ranks"]) for result in results})  # which agent is first varies
+    assert sorted(map(len, nodes)) == [1, 2], nodes
+    exact = {"rtol": 0.0, "atol": 1e-10}
+
+    def tensor(values, like):
+        return torch.tensor(values, dtype=like.dtype)
+
+    for node in nodes:
+        reference = nn.BatchNorm1d(3, dtype=torch.float64)
+        for step in range(steps):
+            x = torch.cat([batch(r, step) for r in node]).requires_grad_()
+            out = reference(x)
+            out.backward(x.detach() ** 2)
+            start = 0
+            for rank in node:
+                mine = slice(start, start + len(batch(rank)))
+                start = mine.stop
+                result = results[rank]
+                torch.testing.assert_close(tensor(result["outputs"][step], out), out[mine], **exact)
+                torch.testing.assert_close(tensor(result["input grads"][step], out), x.grad[mine], **exact)
+        for rank in node:
+            for name, buffer in reference.named_buffers():
+                torch.testing.assert_close(tensor(results[rank][name], buffer), buffer, **exact, msg=name)
 
 
 def test_a_mesh_of_several_dimensions_needs_a_dimension():

@@ -103,12 +103,11 @@ def prepare(key: int) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     world_size = dist.get_world_size(layer.process_group)
+    state = layer._sync_state
+    if state.identity is None:  # alone in its group too (DDP leaves the same buffers out on every rank)
+        meet_callers(layer, world_size)
     if world_size <= 1:
         return 0
-    state = layer._sync_state
-    if state.identity is None:
-        state.resolve(layer, layer.num_features)
-        meet_callers(layer, world_size)
     first = dist.get_rank(layer.process_group) == 0
     layer._sync_template = (*_template(world_size, first, state.identity), call_modulus(world_size))
     _remember(layer, state.layer_name, world_size)

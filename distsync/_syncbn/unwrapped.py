@@ -1,6 +1,6 @@
-"""What a synchronized layer's first call learns from the modules calling it: the DDP models whose buffer
-broadcast leaves its running statistics alone (:mod:`distsync._syncbn.ddp_buffers`), and whether anything
-averages its gradients, said once, on every rank.
+"""What a synchronized layer's first training call learns from the modules calling it: its identity, the DDP
+models whose buffer broadcast leaves its running statistics alone (:mod:`distsync._syncbn.ddp_buffers`,
+whatever the size of its group), and whether anything averages its gradients, said once, on every rank.
 
 Synchronized batch norm makes each rank's forward depend on every rank's batch, but it leaves the
 parameters' gradients local, as ``nn.SyncBatchNorm`` does: a data-parallel wrapper (DDP, FSDP, DeepSpeed's
@@ -54,16 +54,17 @@ def _data_parallel(module: nn.Module) -> bool:
 
 
 def meet_callers(layer: nn.Module, world_size: int) -> None:
-    """At the first synchronized training call of ``layer`` among ``world_size`` ranks: leave its running
-    statistics out of the buffer broadcast of the DDP models calling it, and warn, once per process, if
-    the call carries gradients and no module being called is a data-parallel wrapper."""
-    if world_size <= 1:
-        return
+    """At the first training call of ``layer`` under a process group, in a group of ``world_size`` ranks (1:
+    alone in it): fix its identity, leave its running statistics out of the buffer broadcast of the DDP
+    models calling it (whatever the size of its group, so the same on every rank), and warn, once per
+    process, if it syncs, the call carries gradients and no module being called is a data-parallel wrapper."""
+    layer._sync_state.resolve(layer, layer.num_features)
     callers = _torch_compat.modules_being_called()
     for module in callers:
         if isinstance(module, DistributedDataParallel):
             leave_out_of_broadcast(module, layer)
-    _warn_if_unwrapped(layer, world_size, callers)
+    if world_size > 1:
+        _warn_if_unwrapped(layer, world_size, callers)
 
 
 def _warn_if_unwrapped(layer: nn.Module, world_size: int, callers: list[nn.Module]) -> None:
