@@ -6,7 +6,8 @@ each rank runs before the user's function (the config, the rank in the environme
 ``packing`` runs several worlds at once on disjoint slots, each job's console lines tagged by
 ``tagged_output``; ``devices`` splits GPUs or cores into those slots; ``lifeline`` makes a worker die with
 its parent; ``rendezvous`` gives every multi-node job a store of its own (SLURM's job id, the run id in the
-store); ``fork_server`` keeps the workers' fork server alive through a SIGTERM sent to the whole job. The
+store); ``fork_server`` keeps the workers' fork server alive through a SIGTERM sent to the whole job;
+``rank_fork_server`` makes what a rank's own fork server forks (its DataLoader workers) die with the rank. The
 Hydra plugin (``hydra_plugins/distsync_torchrun_launcher``) and the packaged job (``distsync.train``) build
 on it. See docs/architecture.md.
 """
