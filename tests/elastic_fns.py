@@ -140,3 +140,42 @@ def launches_its_own(nproc_per_node):
     import distsync
 
     return distsync.launch(rank_and_config, "inner", nproc_per_node=nproc_per_node)
+
+
+def _write_pid(path):
+    """This process's pid into ``path``, whole or not at all (a test polls for it)."""
+    with open(f"{path}.tmp", "w") as file:
+        file.write(str(os.getpid()))
+    os.replace(f"{path}.tmp", path)
+
+
+def _record_pid(path, worker_id):
+    """A DataLoader's ``worker_init_fn`` (through ``functools.partial``): its pid into ``path.<id>``."""
+    _write_pid(f"{path}.{worker_id}")
+
+
+def train_on_loader_workers(out_dir):
+    """Trains until killed, as a rank of a real job does: a gloo all-reduce per batch of a DataLoader with two
+    persistent workers, forked by the rank's own fork server (multiprocessing's default in a forkserver rank).
+    Writes ``rank.<r>`` (its pid) once its workers have delivered a batch, each worker ``worker.<r>.<id>``."""
+    import functools
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, TensorDataset
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    loader = DataLoader(
+        TensorDataset(torch.randn(64, 4)),
+        batch_size=4,
+        num_workers=2,
+        persistent_workers=True,
+        worker_init_fn=functools.partial(_record_pid, os.path.join(out_dir, f"worker.{rank}")),
+    )
+    while True:
+        for (inputs,) in loader:
+            dist.all_reduce(inputs.sum().reshape(1))
+            if not os.path.exists(os.path.join(out_dir, f"rank.{rank}")):
+                _write_pid(os.path.join(out_dir, f"rank.{rank}"))
+            time.sleep(0.05)

@@ -80,6 +80,19 @@ def running_descendants(root: int | None = None) -> dict[int, int]:
     return found
 
 
+def running_in_group(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` that still run (zombies left to this subreaper do not)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            state, _, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError, IndexError):
+            continue
+        if int(group) == pgid and state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
 def _reap(pid: int) -> None:
     try:
         os.waitpid(pid, os.WNOHANG)

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from leftover_processes import alive, running_descendants
+from launching import job_env
+from leftover_processes import alive, command, running_descendants, running_in_group
 
 from distsync.testing import timeout_scale
 
@@ -139,3 +140,50 @@ def test_workers_die_when_the_job_is_sigkilled(tmp_path, launcher):
         proc.kill()
         proc.wait()
         _kill_all(workers)
+
+
+def _pids(out_dir: Path, pattern: str) -> list[int]:
+    return [int(path.read_text()) for path in sorted(out_dir.glob(pattern)) if not path.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("killed", ["rank", "launcher"])
+def test_nothing_of_a_job_outlives_a_sigkill(tmp_path, killed):
+    """A rank SIGKILLed (the OOM killer) or the launcher SIGKILLed: within 20 s no process of the job runs,
+    the ranks' DataLoader workers and fork servers included. Under the default ``forkserver`` start method
+    a rank's persistent loader workers are forked by a fork server of the rank's own, not by the rank:
+    torch's watchdog in them watches that server, which their lifeline pipes keep running (before: both
+    were still there minutes later). The other rank, whose peer is gone, ends too."""
+    tests = Path(__file__).parent
+    code = f"import elastic_fns; elastic_fns.launch_and_print('train_on_loader_workers', {str(tmp_path)!r})"
+    with (tmp_path / "output").open("w") as output:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=tests,
+            env=job_env(),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its process group: the launcher's, which every process of the job joins
+        )
+    try:
+        deadline = time.monotonic() + 120 * timeout_scale()
+        while len(_pids(tmp_path, "rank.*")) < 2 or len(_pids(tmp_path, "worker.*")) < 4:
+            output = (tmp_path / "output").read_text()[-3000:]
+            assert proc.poll() is None and time.monotonic() < deadline, output
+            time.sleep(0.1)
+        ranks, loader_workers = _pids(tmp_path, "rank.*"), _pids(tmp_path, "worker.*")
+        forked_by = {pid: parent for rank in ranks for pid, parent in running_descendants(rank).items()}
+        assert set(loader_workers) <= set(forked_by)
+        assert all(forked_by[pid] not in ranks for pid in loader_workers)  # a fork server forked them
+        job = running_in_group(proc.pid)
+        assert set(ranks) | set(loader_workers) | set(forked_by.values()) <= set(job)
+        os.kill(ranks[1] if killed == "rank" else proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20 * timeout_scale()
+        while running_in_group(proc.pid) and time.monotonic() < deadline:
+            proc.poll()  # the launcher, once it has exited (a rank killed), is no zombie of this process
+            time.sleep(0.1)
+        left = {pid: command(pid) for pid in running_in_group(proc.pid)}
+        assert not left, f"still running 20 s after the {killed} was SIGKILLed: {left}"
+    finally:
+        _kill_all(running_in_group(proc.pid))
+        proc.kill()
+        proc.wait()

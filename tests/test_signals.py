@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from launching import SCRIPT, job_env, run_job, summary
+from leftover_processes import running_in_group
 
 from distsync.testing import timeout_scale
 
@@ -34,19 +35,6 @@ def train_rows(run_dir: Path) -> list[int]:
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return [row["step"] for row in rows if row["kind"] == "train"]
-
-
-def running_in_group(pgid: int) -> list[int]:
-    """The processes of process group ``pgid`` that still run (zombies left to this subreaper do not)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            state, _, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
-        except (OSError, ValueError, IndexError):
-            continue
-        if int(group) == pgid and state not in ("Z", "X"):
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.mark.slow

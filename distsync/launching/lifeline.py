@@ -11,7 +11,8 @@ Who the agent is depends on how the worker was started. A ``multiprocessing`` wo
 that created it (:func:`multiprocessing.parent_process`) whatever the start method, and holds the end of a
 pipe that the kernel closes when that process dies: under ``forkserver`` the worker's OS parent is the fork
 server, not the agent, so the parent pid alone would name the wrong process. Any other worker (``torchrun``
-runs its workers as plain subprocesses) is watched through its parent pid.
+runs its workers as plain subprocesses) is watched through its parent pid. The processes that a rank's own
+fork server forks (its DataLoader workers) arm it as well, toward the rank (:mod:`.rank_fork_server`).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ def die_with_parent(poll_interval: float = 1.0) -> None:
     """Arrange for this process to be SIGKILLed as soon as the process that started it exits; idempotent.
 
     Call it first thing in a worker. ``PR_SET_PDEATHSIG`` fires when the parent *thread* that forked this
-    process exits (under ``forkserver``: when the fork server exits, which it does once the agent is gone);
-    the watchdog thread covers every case, on every platform: a ``multiprocessing`` worker wakes up as soon
-    as the agent's end of its pipe closes, any other process checks its parent pid every ``poll_interval``
-    seconds.
+    process exits (under ``forkserver``: when the fork server exits, which it does only once the process that
+    started it and every process it forked are gone); the watchdog thread covers every case, on every
+    platform: a ``multiprocessing`` worker wakes up as soon as the agent's end of its pipe closes, any other
+    process checks its parent pid every ``poll_interval`` seconds.
 
     Args:
         poll_interval: seconds between the watchdog's checks of the parent pid, for workers that

@@ -35,6 +35,7 @@ from distsync.launching.world_size import WorldSizeRequest
 from distsync.tuning import report_result
 
 _PEER_FAILURE_GRACE_S = 1.0  # a failed worker waits this long before it exits (see run_rank)
+_RANK_FORK_SERVER_MODULE = "distsync.launching.rank_fork_server"  # what a rank's own fork server imports
 
 
 class NonRetryableError(RuntimeError):
@@ -334,6 +335,7 @@ def run_rank(sent: Pickled | tuple[Any, Any], setup: WorkerSetup) -> tuple[int, 
     """
     setup.streams.adopt()
     die_with_parent()  # an agent that is SIGKILLed cannot stop its workers
+    _forked_children_die_with_this_rank()  # its DataLoader workers, which nothing else ends
     _launch_environment(setup.environ)
     if setup.start_method != "spawn":
         _exit_handlers_of_this_worker_only()
@@ -426,6 +428,18 @@ def _launch_environment(launched: dict[str, str]) -> None:
     os.environ.clear()
     os.environ.update(launched)
     os.environ.update(own)
+
+
+def _forked_children_die_with_this_rank() -> None:
+    """The processes that this rank's own fork server forks (its DataLoader workers, under the ``forkserver``
+    default that a rank inherits) die with the rank, even SIGKILLed: the server imports
+    :mod:`distsync.launching.rank_fork_server` besides ``__main__`` (``multiprocessing``'s default preload),
+    when this rank first starts a process by ``forkserver``, if ever."""
+    import multiprocessing
+
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["__main__", _RANK_FORK_SERVER_MODULE])
 
 
 def _exit_handlers_of_this_worker_only() -> None:
