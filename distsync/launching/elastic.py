@@ -215,6 +215,7 @@ def launch(
         from distsync.launching.local_rendezvous import backend  # no join protocol to wait through
 
         rdzv_backend, rdzv_endpoint, rdzv_id = backend(), "localhost:0", rdzv_id or uuid.uuid4().hex
+        slurm = None
     else:
         try:
             rdzv_endpoint, rdzv_id, slurm = _rendezvous(rdzv_endpoint, rdzv_id, max_nodes)
