@@ -26,8 +26,8 @@ from distsync.parallel import (
     convert_model,
     exec_data_parallel_replication_callback,
     patch_replication_callback,
+    replica_sync,
     set_sbn_eps_mode,
-    transport,
 )
 from distsync.testing import run_threads, run_world
 
@@ -224,7 +224,7 @@ class _FailOnChunk(nn.Module):
 
 
 def test_a_replica_failing_in_forward_makes_the_others_raise_within_the_timeout(replicate, monkeypatch):
-    monkeypatch.setattr(transport, "REPLICA_SYNC_TIMEOUT", 0.5)
+    monkeypatch.setattr(replica_sync, "REPLICA_SYNC_TIMEOUT", 0.5)
     model = nn.Sequential(_FailOnChunk(2), distsync.DistSyncBatchNorm1d(3))
     replicas = replicate(model, 3)
     chunks = torch.randn(9, 3).split([3, 2, 4])
@@ -251,7 +251,7 @@ class _FailBackwardOnChunk(nn.Module):
 
 
 def test_a_replica_failing_in_backward_makes_the_others_raise_within_the_timeout(replicate, monkeypatch):
-    monkeypatch.setattr(transport, "REPLICA_SYNC_TIMEOUT", 0.5)
+    monkeypatch.setattr(replica_sync, "REPLICA_SYNC_TIMEOUT", 0.5)
     model = nn.Sequential(
         distsync.DistSyncBatchNorm1d(3), _FailBackwardOnChunk(), distsync.DistSyncBatchNorm1d(3)
     )
@@ -266,7 +266,7 @@ def test_a_replica_failing_in_backward_makes_the_others_raise_within_the_timeout
 def test_a_backward_on_one_thread_raises_at_once_instead_of_waiting(replicate, monkeypatch):
     """``torch.autograd.set_multithreading_enabled(False)`` runs the copies' backward passes one after another
     on the calling thread, where the first would wait for the others: it raises at once, saying why."""
-    monkeypatch.setattr(transport, "REPLICA_SYNC_TIMEOUT", 10.0)
+    monkeypatch.setattr(replica_sync, "REPLICA_SYNC_TIMEOUT", 10.0)
     model = nn.Sequential(distsync.DistSyncBatchNorm1d(3), nn.Tanh())
     replicas = replicate(model, 2)
     x = torch.randn(6, 3, requires_grad=True)
@@ -284,7 +284,7 @@ def test_a_backward_on_one_thread_raises_at_once_instead_of_waiting(replicate, m
 def test_data_parallel_methods_wire_replicas_and_release_siblings(replicate, monkeypatch):
     """``replicate`` runs the callback and ``parallel_apply`` aborts the siblings of a failing replica at
     once (no timeout needed), for the subclass and for a patched plain ``nn.DataParallel``."""
-    monkeypatch.setattr(transport, "REPLICA_SYNC_TIMEOUT", 60.0)
+    monkeypatch.setattr(replica_sync, "REPLICA_SYNC_TIMEOUT", 60.0)
 
     def cpu_parallel_apply(modules, inputs, kwargs_tup=None, devices=None):  # threads, as on CUDA
         results, errors = run_threads([lambda m=m, x=x: m(*x) for m, x in zip(modules, inputs, strict=True)])
@@ -333,7 +333,7 @@ def test_the_cpu_check_of_the_shim_passes_and_sees_a_broken_transport(monkeypatc
     assert max(errors.values()) < check.tolerance(case)
     assert set(errors) >= {"output", "input grad", "weight grad", "running_var", "eval output"}
 
-    monkeypatch.setattr(transport, "replica_reducer", lambda *args: None)  # copies left unwired
+    monkeypatch.setattr(replica_sync, "replica_reducer", lambda *args: None)  # copies left unwired
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # that they cannot sync
         assert max(check.run_shim_case(case).values()) > 1e-2

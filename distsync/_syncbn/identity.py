@@ -11,12 +11,13 @@ stamped on the layer's sync state (which pickling and deep copies carry along), 
 * the first synchronized call of a layer that has none (built directly, never converted): the outermost
   module being called at that moment whose tree holds it, whose synchronized layers all get their paths
   from it at once (:func:`distsync._torch_compat.modules_being_called`, which reads the ``self`` of
-  torch's own module-call frames and nothing of the caller's); a layer called on its own before anything
-  named it (``model[1](x)`` on a model never converted nor called whole) is named '', documented: such
-  layers are told apart by width only, so convert the model or :func:`name_layers` it.
+  torch's own module-call frames and nothing of the caller's); a layer called on its own (``model[1](x)``
+  in a loop, on a model never converted nor called whole) is named from the root of the module tree that
+  holds it, found among the live modules at that first call (a layer no module holds is named ''). Without
+  that scan two such layers of one width would share an identity, and ranks calling them in different
+  orders would mix their statistics silently.
 
-No frame is walked here and no heap is scanned: the path comes from the model the layer is converted in,
-named by or called under.
+No frame is read here: the one place that reads frames is ``_torch_compat``.
 
 Nothing global is registered: importing distsync changes nothing in how torch builds modules, and no
 user module's ``__eq__`` or ``__hash__`` is ever called (layers are kept by ``id``).
@@ -39,6 +40,7 @@ selects its tail as a view: no host-to-device copy per call.
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -140,19 +142,41 @@ def _holds(root: nn.Module, layer: nn.Module) -> bool:
     return any(module is layer for module, _ in walk(root))
 
 
+def _holding_root(layer: nn.Module) -> nn.Module:
+    """The root of the module tree that holds ``layer``, climbing from it while each module has one parent
+    (a wrapper and the model it wraps: the model), found among the live modules (``gc``, no frame);
+    ``layer`` itself if no module holds it. Only for a layer called on its own, at its first call."""
+    if not any(isinstance(holder, dict) for holder in gc.get_referrers(layer)):
+        return layer  # in no module's children (a dict): nothing to look for
+    parents: dict[int, dict[int, nn.Module]] = {}
+    for obj in gc.get_objects():
+        if issubclass(type(obj), nn.Module):
+            children = obj.__dict__.get("_modules")
+            for child in children.values() if isinstance(children, dict) else ():
+                if child is not None:
+                    parents.setdefault(id(child), {})[id(obj)] = obj
+    root, seen = layer, {id(layer)}
+    while len(parents.get(id(root), ())) == 1:
+        (parent,) = parents[id(root)].values()
+        if id(parent) in seen:
+            break
+        seen.add(id(parent))
+        root = parent
+    return root
+
+
 def layer_path(layer: nn.Module) -> str:
     """The path a synchronized layer is identified by: a name given with :func:`name_layers`, else the path
     stamped on it (by conversion, pickling or an earlier call), else its path from the outermost module
-    being called now whose tree holds it (all unnamed layers under that module are stamped from it at
-    once), else '' (a layer called on its own, outside any module that holds it, before any of them was
-    converted or called: such layers are told apart by their width only, so convert or name them)."""
+    being called now whose tree holds it, else from the root of the module tree that holds it (all unnamed
+    layers under that module are stamped from it at once), else '' (a layer no module holds)."""
     state = layer._sync_state
     if state.name is not None:
         return state.name
     if state.path is None:
         callers = _torch_compat.modules_being_called()
-        root = next((m for m in callers if m is not layer and _holds(m, layer)), layer)
-        stamp_paths(root, only_missing=True)
+        root = next((m for m in callers if m is not layer and _holds(m, layer)), None)
+        stamp_paths(_holding_root(layer) if root is None else root, only_missing=True)
     return state.path
 
 
