@@ -216,7 +216,7 @@ def _wait_for(condition, what: str, timeout: float = 180) -> None:
 
 def _check_job_dirs(sweep: Path, trials: dict) -> None:
     """Every job dir holds the trial of its number, and the files its own world wrote."""
-    for job in (p for p in sweep.iterdir() if p.is_dir()):
+    for job in (p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()):
         trial = trials[int(job.name)]
         assert yaml.safe_load((job / "trial.yaml").read_text())["number"] == trial.number
         assert Path(trial.user_attrs["job_dir"]) == job.resolve()
