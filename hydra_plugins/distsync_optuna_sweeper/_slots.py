@@ -116,6 +116,9 @@ class SubmititJobs:
         base = set(OmegaConf.structured(BaseQueueConf).keys())
         self.executor.update_parameters(**{k if k in base else f"{kind}_{k}": v for k, v in params.items()})
         self.slurm = kind == "slurm"
+        self.sacct = (
+            True  # whether sacct answers (it says "accounting storage is disabled" where none is kept)
+        )
         self.running: dict[int, Any] = {}  # trial number -> its submitit job
         self.lock = threading.Lock()
 
@@ -146,15 +149,19 @@ class SubmititJobs:
                     break
             if stop.wait(1.0):
                 raise _Stopped
-        (ret,) = job.results()  # a job whose function raised: submitit's FailedJobError
-        return ret
+        return job.results()[0]  # task 0's (a job of several nodes has a task each); FailedJobError if raised
 
     def _ended(self, job: Any) -> bool:
-        if job.done(force_check=True):
+        if self.sacct and job.done(force_check=True):
             return True
-        if self.slurm and job.state == "UNKNOWN":  # no accounting: sacct says nothing, squeue does
-            return _squeue_ended(str(job.job_id))
-        return False
+        if not self.slurm:
+            return False
+        if self.sacct:  # sacct (submitit's way) answers, or says that this cluster keeps no accounting
+            if job.state != "UNKNOWN" or _sacct_answers(str(job.job_id)):
+                return False
+            log.info("sacct: no accounting on this cluster; the sweep watches its jobs with squeue")
+            self.sacct = False
+        return _squeue_ended(str(job.job_id))
 
     def _raise_if_no_result(self, job: Any) -> None:
         deadline = time.monotonic() + _RESULT_WAIT_S
@@ -173,6 +180,11 @@ class SubmititJobs:
                 job.cancel(check=False)
             except Exception as error:  # noqa: BLE001  gone already, or the scheduler unreachable
                 log.warning(f"could not cancel job {job.job_id}: {error!r}")
+
+
+def _sacct_answers(job_id: str) -> bool:
+    proc = subprocess.run(["sacct", "--noheader", f"--jobs={job_id}"], capture_output=True, timeout=60)
+    return proc.returncode == 0
 
 
 def _squeue_ended(job_id: str) -> bool:
