@@ -363,11 +363,11 @@ def _seconds(stamp: str) -> float:
 
 def test_an_optuna_study_through_submitit_keeps_both_slots_busy(slurm_cluster, tmp_path):
     """``hydra/sweeper=distsync_optuna`` through ``hydra/launcher=submitit_slurm``, ``n_jobs=2``: six trials
-    of unequal length (40 or 160 steps), each a SLURM job of two nodes; a trial is submitted as soon as a slot
-    frees, so the study takes little more than half the sum of its jobs' run times (batches of two would
-    wait for the longer trial of each pair)."""
+    of unequal length (100 or 1500 steps), each a SLURM job of two nodes; a trial is submitted as soon as a
+    slot frees, so the study takes little more than half the sum of its jobs' run times (batches of two
+    would wait for the longer trial of each pair)."""
     grid = ["hydra/sweeper/sampler=grid", "hydra.sweeper.n_trials=6", "hydra.sweeper.direction=maximize"]
-    space = ["trainer.max_steps=choice(40,160)", "optim.lr=choice(0.05,0.1,0.2)"]
+    space = ["trainer.max_steps=choice(100,1500)", "optim.lr=choice(0.05,0.1,0.2)"]
     driver = _optuna_sweep(slurm_cluster, tmp_path, *grid, *space, *TINY[:2], *TINY[3:])
     out, _ = driver.communicate(timeout=900 * timeout_scale())
     assert driver.returncode == 0, out[-4000:]
@@ -377,15 +377,15 @@ def test_an_optuna_study_through_submitit_keeps_both_slots_busy(slurm_cluster, t
     spans = sorted((_seconds(f["StartTime"]), _seconds(f["EndTime"])) for f in jobs.values())
     ran = sum(end - start for start, end in spans)
     wall = max(end for _, end in spans) - spans[0][0]
-    gaps = []  # each slot's wait between one job's end and the next job's start
     ends = sorted(end for _, end in spans)
-    for start, _ in spans[2:]:
-        gaps.append(start - max(end for end in ends if end <= start))
+    # the k-th job to start takes the slot the (k-2)-th job to end freed; SLURM's end comes after the
+    # job's result, at the end of its teardown, so a wait may be below 0
+    gaps = [start - ends[k] for k, (start, _) in enumerate(spans[2:])]
     print(f"6 trials, n_jobs=2: wall {wall:.0f} s, jobs' run times {ran:.0f} s (half: {ran / 2:.0f} s), "
           f"ratio {wall / (ran / 2):.3f}; slot waits {gaps}")  # fmt: skip
     assert max(gaps) <= 15, gaps  # a sweep's turn and SLURM's scheduling, not the other slot's trial
     steps = sorted(summary(p)["steps"] for p in sweep.iterdir() if p.name.isdigit())
-    assert steps == [40, 40, 40, 160, 160, 160]
+    assert steps == [100, 100, 100, 1500, 1500, 1500]
     assert wall <= 1.15 * ran / 2 + 15, (wall, ran, gaps)
 
 
