@@ -116,9 +116,7 @@ class SubmititJobs:
         base = set(OmegaConf.structured(BaseQueueConf).keys())
         self.executor.update_parameters(**{k if k in base else f"{kind}_{k}": v for k, v in params.items()})
         self.slurm = kind == "slurm"
-        self.sacct = (
-            True  # whether sacct answers (it says "accounting storage is disabled" where none is kept)
-        )
+        self.sacct = True  # False where sacct says "accounting storage is disabled"
         self.running: dict[int, Any] = {}  # trial number -> its submitit job
         self.lock = threading.Lock()
 
@@ -140,6 +138,8 @@ class SubmititJobs:
                 self.running.pop(number, None)
 
     def _wait(self, job: Any, stop: threading.Event) -> JobReturn:
+        """Task 0's return (a job of several nodes runs a task on each, Hydra's launcher takes task 0's)."""
+        job = job.task(0)  # the job itself when it has one task
         asked = time.monotonic()
         while not job.paths.result_pickle.exists():
             if time.monotonic() - asked >= _STATE_EVERY_S:
@@ -149,7 +149,7 @@ class SubmititJobs:
                     break
             if stop.wait(1.0):
                 raise _Stopped
-        return job.results()[0]  # task 0's (a job of several nodes has a task each); FailedJobError if raised
+        return job.result()  # submitit's FailedJobError where the job's function raised
 
     def _ended(self, job: Any) -> bool:
         if self.sacct and job.done(force_check=True):
