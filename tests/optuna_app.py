@@ -5,7 +5,10 @@ stopping when the study's pruner says so; it returns ``value`` (with ``objective
 Every rank writes when its trial started and ended, at which step it stopped, its parent process and its
 process group into ``<job dir>/rank<R>.json``. ``fail_when`` makes the trial fail when its ``x`` exceeds it;
 ``linger`` keeps the ranks other than 0 that many seconds after rank 0 returned (a world that ends late).
-Under ``hydra/launcher=torchrun`` each trial is a world of its own.
+Under ``hydra/launcher=torchrun`` each trial is a world of its own. Every rank also writes a line to
+``<job dir>/started<R>.jsonl`` as it starts (its pid, the step it starts from) and, with
+``checkpoint=true``, ``<job dir>/step<R>.txt`` after each step: a trial run again in its job dir goes on
+after that step, as the packaged job resumes from its checkpoint.
 """
 
 import json
@@ -29,6 +32,7 @@ ConfigStore.instance().store(
         "value_scale": 1.0,
         "objectives": 1,
         "linger": 0.0,
+        "checkpoint": False,
     },
 )
 
@@ -40,16 +44,23 @@ def main(cfg) -> float:
     started = time.time()
     value = cfg.value_scale * float(cfg.x)
     stopped = None
-    for step in range(int(cfg.steps)):
+    rank = int(os.environ.get("RANK", "0"))
+    out = Path(HydraConfig.get().runtime.output_dir)
+    saved = out / f"step{rank}.txt"
+    first = int(saved.read_text()) + 1 if cfg.checkpoint and saved.exists() else 0
+    with open(out / f"started{rank}.jsonl", "a") as starts:  # one line per run of the trial in this dir
+        starts.write(json.dumps({"pid": os.getpid(), "first_step": first, "time": started}) + "\n")
+    for step in range(first, int(cfg.steps)):
         time.sleep(cfg.step_seconds)
+        if cfg.checkpoint:
+            saved.write_text(str(step))
         distsync.report(step, value + 1.0 / (step + 1))
         if distsync.should_prune():
             stopped = step
             break
-    rank = int(os.environ.get("RANK", "0"))
     record = {"start": started, "end": time.time(), "pruned_at": stopped, "x": float(cfg.x)}
     record.update(ppid=os.getppid(), pgid=os.getpgrp(), cores=sorted(os.sched_getaffinity(0)))
-    (Path(HydraConfig.get().runtime.output_dir) / f"rank{rank}.json").write_text(json.dumps(record))
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
     if float(cfg.x) > cfg.fail_when:
         raise RuntimeError(f"x={cfg.x} fails on purpose")
     if rank > 0:

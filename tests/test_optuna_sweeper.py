@@ -4,6 +4,7 @@ for a batch, pruning that stops every rank of a trial's world together, failures
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -215,7 +216,7 @@ def _wait_for(condition, what: str, timeout: float = 180) -> None:
 
 def _check_job_dirs(sweep: Path, trials: dict) -> None:
     """Every job dir holds the trial of its number, and the files its own world wrote."""
-    for job in (p for p in sweep.iterdir() if p.is_dir()):
+    for job in (p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()):
         trial = trials[int(job.name)]
         assert yaml.safe_load((job / "trial.yaml").read_text())["number"] == trial.number
         assert Path(trial.user_attrs["job_dir"]) == job.resolve()
@@ -474,3 +475,168 @@ def test_a_result_the_study_cannot_take_is_said_and_fails_nothing(tmp_path, monk
     monkeypatch.setenv(tuning.TRIAL, "0")
     tuning.report_result(0.5)
     assert "could not record the trial's result in its study" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------ slots through other launchers
+
+
+def _slots_over(tmp_path: Path, run_one, n_trials: int, max_retries: int):
+    """``_slots.Slots`` of two threads over a new study of ``x=interval(0,1)`` whose jobs are ``run_one``."""
+    from optuna.distributions import FloatDistribution
+
+    from distsync.tuning import storage_from_url
+    from hydra_plugins.distsync_optuna_sweeper._slots import Slots
+    from hydra_plugins.distsync_optuna_sweeper._trials import Trials
+
+    url = f"journal:{tmp_path / 'journal.log'}"
+    storage = storage_from_url(url)
+    study = optuna.create_study(study_name="slots", storage=storage)
+    space = {"x": FloatDistribution(0.0, 1.0)}
+    trials = Trials(study, storage, url, {}, space, {}, tmp_path / "sweep", n_trials)
+    return study, storage, Slots(trials, run_one, 2, max_retries)
+
+
+def test_a_lost_job_is_launched_again_with_its_number_unless_its_world_recorded_its_outcome(tmp_path):
+    """Through two slots (threads): trial #1's job is lost once (submitit's UncompletedJobError, as for a
+    cancelled SLURM job) and launched again with the same number and parameters; #2's job is lost after its
+    rank 0 recorded its value: told complete with it, not run again; #3's job is lost more often than
+    max_retries allows: told failed; the other trials go on."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from submitit.core.utils import UncompletedJobError
+
+    from distsync import tuning
+
+    calls: list[tuple[int, list[str]]] = []
+    storage_box: list = []
+
+    def run_one(number, overrides, stop):
+        calls.append((number, list(overrides)))
+        x = float(next(o for o in overrides if o.startswith("x=")).split("=", 1)[1])
+        if number == 1 and sum(n == 1 for n, _ in calls) == 1:
+            raise UncompletedJobError(f"Job 1{number} has not produced any output (state: CANCELLED)")
+        if number == 2:
+            trial_id = int(next(o for o in overrides if tuning.TRIAL in o).split("=", 1)[1].strip("'"))
+            storage_box[0].set_trial_user_attr(trial_id, tuning.RESULT, [x + 10.0])
+            raise UncompletedJobError("Job 12 has not produced any output (state: CANCELLED)")
+        if number == 3:
+            raise UncompletedJobError("Job 13 has not produced any output (state: NODE_FAIL)")
+        return JobReturn(status=JobStatus.COMPLETED, _return_value=x)
+
+    study, storage, slots = _slots_over(tmp_path, run_one, n_trials=5, max_retries=1)
+    storage_box.append(storage)
+    slots.run_threads()
+    trials = {t.number: t for t in study.trials}
+    assert [trials[n].state.name for n in range(5)] == [
+        "COMPLETE",
+        "COMPLETE",
+        "COMPLETE",
+        "FAIL",
+        "COMPLETE",
+    ]
+    launched = [n for n, _ in calls]
+    assert sorted(launched) == [0, 1, 1, 2, 3, 3, 4]  # #1 once more, #2 never again, #3 max_retries more
+    runs_of_1 = [overrides for n, overrides in calls if n == 1]
+    assert runs_of_1[0] == runs_of_1[1]  # the same parameters (and trial), so the same job dir
+    assert trials[1].value == trials[1].params["x"]
+    assert trials[2].value == pytest.approx(trials[2].params["x"] + 10.0)  # the recorded value
+    (failed,) = [r for r in slots.trials.returns if r.status == JobStatus.FAILED]
+    assert "NODE_FAIL" in str(failed._return_value)  # the sweep's error, if it ends failing, says why
+    assert slots.trials.relaunched == {1: 1, 3: 1}
+
+
+def _submitit_sweep(tmp_path: Path, *args: str) -> list[str]:
+    return [
+        sys.executable, str(APP), *SWEEPER, "hydra/launcher=submitit_local",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}", *args,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="two trials at once")
+def test_through_submitit_a_trial_starts_as_soon_as_a_slot_frees(tmp_path):
+    """Hydra's submitit launcher (submitit_local here; submitit_slurm in test_slurm.py), n_jobs=2: trials of
+    unequal length (one step or 25 s), each a job of its own; whenever a trial ends while the other slot's
+    trial runs on for 20 s or more, the next trial is submitted and starts before that one ends (in batches
+    it would wait for it)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    command = _submitit_sweep(
+        tmp_path, "hydra.sweeper.n_trials=6", "hydra.sweeper.n_jobs=2", "hydra.sweeper.sampler.seed=0",
+        "steps=choice(1,50)", "step_seconds=0.5", "x=interval(0,1)",
+    )  # fmt: skip
+    proc = run_job(command, tmp_path, timeout=400, PYTHONPATH=_vision.python_path())
+    assert proc.returncode == 0
+    records = sorted(_records(tmp_path / "sweep"), key=lambda r: r["start"])
+    assert len(records) == 6
+    checked = 0
+    for ended in records:
+        others = [r for r in records if r["start"] < ended["end"] < r["end"] - 20]
+        for other in others:  # the other slot's trial runs on for 20 s or more
+            successors = [r for r in records if r["start"] > ended["end"]]
+            if successors:
+                checked += 1
+                assert min(r["start"] for r in successors) < other["end"], (ended, other, records)
+    assert checked >= 1, records  # the seed draws short and long trials side by side
+
+
+@pytest.mark.slow
+def test_through_submitit_a_trial_whose_job_is_killed_goes_on_in_its_job_dir(tmp_path):
+    """A trial's job killed mid-trial (SIGKILL: no result, as for a cancelled or preempted SLURM job) is
+    launched again with its number, so in its job dir, where it goes on from its last saved step; the study
+    ends with every trial complete and the sweep exits 0."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    command = _submitit_sweep(
+        tmp_path, "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2", "x=interval(0,1)", "steps=16",
+        "step_seconds=0.5", "checkpoint=true",
+    )  # fmt: skip
+    env = job_env(PYTHONPATH=_vision.python_path())
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    driver = subprocess.Popen(command, cwd=tmp_path, env=env, start_new_session=True, **output)
+    saved = sweep / "1" / "step0.txt"
+    _wait_for(lambda: saved.exists() and int(saved.read_text() or -1) >= 3, "trial #1 to pass step 3")
+    (start,) = [json.loads(line) for line in (sweep / "1" / "started0.jsonl").read_text().splitlines()]
+    os.kill(start["pid"], signal.SIGKILL)
+    killed_after = int(saved.read_text())
+    output, _ = driver.communicate(timeout=300 * timeout_scale())
+    assert driver.returncode == 0, output[-4000:]
+    runs = [json.loads(line) for line in (sweep / "1" / "started0.jsonl").read_text().splitlines()]
+    assert [r["first_step"] for r in runs] == [0, killed_after + 1], output[-4000:]  # went on, not over
+    trials = _trials(f"journal:{sweep / 'optuna_journal.log'}", "distsync")
+    assert [t.state.name for t in trials.values()] == ["COMPLETE"] * 3
+    assert yaml.safe_load((sweep / "1" / "trial.yaml").read_text())["relaunched"] == 1
+    assert "trial #1: its job ended without a result" in output
+    _check_job_dirs(sweep, trials)
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_submitit_sweep_cancels_its_jobs_and_settles_its_trials(tmp_path):
+    """SIGTERM to the sweep, as Ctrl-C: the jobs it submitted are cancelled (their processes end), the trials
+    that ran are told interrupted and queued again, and the sweep exits 143."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    command = _submitit_sweep(
+        tmp_path, "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2", "x=interval(0,1)", "steps=200",
+        "step_seconds=0.5",
+    )  # fmt: skip
+    env = job_env(PYTHONPATH=_vision.python_path())
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    driver = subprocess.Popen(command, cwd=tmp_path, env=env, start_new_session=True, **output)
+    _wait_for(lambda: len(list(sweep.glob("*/started0.jsonl"))) == 2, "two trials' jobs")
+    pids = [json.loads(p.read_text().splitlines()[0])["pid"] for p in sweep.glob("*/started0.jsonl")]
+    driver.send_signal(signal.SIGTERM)
+    output, _ = driver.communicate(timeout=120 * timeout_scale())
+    assert driver.returncode == 143, output[-4000:]
+    _wait_for(lambda: not any(_alive(pid) for pid in pids), "the cancelled jobs' processes to end", 60)
+    trials = _trials(f"journal:{sweep / 'optuna_journal.log'}", "distsync")
+    assert [(t.state.name, t.user_attrs.get("distsync_interrupted")) for t in trials.values()] == [
+        ("FAIL", True), ("FAIL", True), ("WAITING", None), ("WAITING", None),
+    ]  # fmt: skip
+    assert "cancelling job" in output
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"

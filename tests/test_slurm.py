@@ -375,3 +375,98 @@ def test_the_docs_app_script_runs_a_sweep_of_two_node_worlds(slurm_cluster, tmp_
     assert (ROOT / "examples" / "slurm" / "app.sbatch").read_text() in (
         ROOT / "docs" / "your_app.md"
     ).read_text()
+
+
+OPTUNA_SWEEP = [
+    "hydra/sweeper=distsync_optuna", "hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2",
+    "hydra.launcher.tasks_per_node=1", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
+    "trainer.nnodes=2", "trainer.nproc_per_node=1", "hydra.sweeper.n_jobs=2",
+]  # fmt: skip
+
+
+def _optuna_sweep(cluster: SlurmCluster, cwd: Path, *args: str, **popen: object) -> subprocess.Popen:
+    pytest.importorskip("optuna")
+    command = [sys.executable, str(SCRIPT), "-m", *OPTUNA_SWEEP, *args, f"hydra.sweep.dir={cwd / 'sweep'}"]
+    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    return subprocess.Popen(command, cwd=cwd, env=user_env(cluster), **output, **popen)
+
+
+def _sweep_jobs(sweep: Path) -> list[str]:
+    """The SLURM job ids of a submitit sweep (submitit's folders, ``<sweep>/.submitit/<job id>``)."""
+    return sorted((p.name for p in (sweep / ".submitit").iterdir() if p.name.isdigit()), key=int)
+
+
+def _seconds(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp).timestamp()
+
+
+def test_an_optuna_study_through_submitit_keeps_both_slots_busy(slurm_cluster, tmp_path):
+    """``hydra/sweeper=distsync_optuna`` through ``hydra/launcher=submitit_slurm``, ``n_jobs=2``: six trials
+    of unequal length (100 or 1500 steps), each a SLURM job of two nodes; a trial is submitted as soon as a
+    slot frees, so the study takes little more than half the sum of its jobs' run times (batches of two
+    would wait for the longer trial of each pair)."""
+    grid = ["hydra/sweeper/sampler=grid", "hydra.sweeper.n_trials=6", "hydra.sweeper.direction=maximize"]
+    space = ["trainer.max_steps=choice(100,1500)", "optim.lr=choice(0.05,0.1,0.2)"]
+    driver = _optuna_sweep(slurm_cluster, tmp_path, *grid, *space, *TINY[:2], *TINY[3:])
+    out, _ = driver.communicate(timeout=900 * timeout_scale())
+    assert driver.returncode == 0, out[-4000:]
+    sweep = tmp_path / "sweep"
+    jobs = {job: slurm_cluster.job(job) for job in _sweep_jobs(sweep)}
+    assert len(jobs) == 6 and all(f["JobState"] == "COMPLETED" for f in jobs.values()), jobs
+    spans = sorted((_seconds(f["StartTime"]), _seconds(f["EndTime"])) for f in jobs.values())
+    ran = sum(end - start for start, end in spans)
+    wall = max(end for _, end in spans) - spans[0][0]
+    ends = sorted(end for _, end in spans)
+    # the k-th job to start takes the slot the (k-2)-th job to end freed; SLURM's end comes after the
+    # job's result, at the end of its teardown, so a wait may be below 0
+    gaps = [start - ends[k] for k, (start, _) in enumerate(spans[2:])]
+    print(f"6 trials, n_jobs=2: wall {wall:.0f} s, jobs' run times {ran:.0f} s (half: {ran / 2:.0f} s), "
+          f"ratio {wall / (ran / 2):.3f}; slot waits {gaps}")  # fmt: skip
+    assert max(gaps) <= 15, gaps  # a sweep's turn and SLURM's scheduling, not the other slot's trial
+    steps = sorted(summary(p)["steps"] for p in sweep.iterdir() if p.name.isdigit())
+    assert steps == [100, 100, 100, 1500, 1500, 1500]
+    assert wall <= 1.15 * ran / 2 + 15, (wall, ran, gaps)
+
+
+def test_an_optuna_trial_whose_slurm_job_is_cancelled_resumes_in_its_job_dir(slurm_cluster, tmp_path):
+    """``scancel`` of one trial's SLURM job mid-training: its ranks save a checkpoint and the job ends
+    without a result; the sweep launches the trial again (same number, same job dir), which resumes from
+    that checkpoint, and the study goes on: every trial completes and the sweep exits 0."""
+    args = ["hydra.sweeper.n_trials=3", "hydra.sweeper.direction=maximize", "optim.lr=interval(0.05,0.2)"]
+    driver = _optuna_sweep(slurm_cluster, tmp_path, *args, *TINY[:2], "trainer.max_steps=300", *TINY[3:])
+    sweep = tmp_path / "sweep"
+    run_dir = sweep / "1"
+
+    def job_of_trial_1() -> str | None:
+        for job in _sweep_jobs(sweep) if (sweep / ".submitit").is_dir() else []:
+            logs = "".join(p.read_text(errors="replace") for p in (sweep / ".submitit" / job).glob("*_log.*"))
+            if f"run directory {run_dir};" in logs:
+                return job
+        return None
+
+    wait_until(
+        lambda: len(train_steps(run_dir)) >= 3 and job_of_trial_1(), 300, "trial #1 trains", slurm_cluster
+    )
+    job_id = job_of_trial_1()
+    slurm_cluster.run("scancel", job_id)
+    slurm_cluster.wait_for(job_id, ("CANCELLED",), timeout=60)
+    wait_until(lambda: not processes_of(job_id), 30, "the cancelled job's processes end", slurm_cluster)
+    (saved,) = (run_dir / "checkpoints").glob("step_*.pt")
+    saved_at = int(saved.stem.removeprefix("step_"))
+    out, _ = driver.communicate(timeout=900 * timeout_scale())
+    assert driver.returncode == 0, out[-4000:]
+    assert "trial #1: its job ended without a result" in out, out[-4000:]
+    s = summary(run_dir)
+    assert s["steps"] == 300 and s["resumed_from_step"] == saved_at, s
+    steps = train_steps(run_dir)
+    assert steps == sorted(set(steps)) and steps[-1] == 300  # went on from the checkpoint, not from 0
+    study = out.split("Study distsync: ", 1)[1].splitlines()[0]
+    assert study.startswith("3 of n_trials=3 finished"), study
+    import yaml
+
+    assert yaml.safe_load((run_dir / "trial.yaml").read_text())["state"] == "COMPLETE"
+    assert yaml.safe_load((run_dir / "trial.yaml").read_text())["relaunched"] == 1
+    for job in ("0", "2"):
+        assert summary(sweep / job)["steps"] == 300

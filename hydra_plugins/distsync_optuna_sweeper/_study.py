@@ -6,8 +6,13 @@ plugin scan of every app run does not need Optuna.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +27,13 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import TrialState
 
 from distsync import tuning
+from hydra_plugins.distsync_optuna_sweeper._slots import (
+    LaunchOne,
+    Slots,
+    SubmititJobs,
+    is_submitit,
+    runs_in_process,
+)
 from hydra_plugins.distsync_optuna_sweeper._space import directions, grid_choices, search_space
 from hydra_plugins.distsync_optuna_sweeper._trials import INTERRUPTED, JOB_DIR, Trials, counts, settle_stale
 
@@ -42,12 +54,14 @@ class AsyncOptunaStudy:
         n_trials: int,
         n_jobs: int,
         max_failure_rate: float,
+        max_retries: int,
         params: DictConfig | None,
         custom_search_space: str | None,
     ) -> None:
         self.sampler_conf, self.pruner_conf, self.direction = sampler, pruner, direction
         self.storage_url, self.study_name = storage, study_name
         self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, max(1, n_jobs), max_failure_rate
+        self.max_retries = max(0, max_retries)
         self.params, self.custom_search_space = params, custom_search_space
         self.directions: list[str] = []
         self.config: DictConfig | None = None
@@ -100,23 +114,18 @@ class AsyncOptunaStudy:
         )
         pruner = _arguments(self.pruner_conf)
         runner = Trials(study, storage, url, pruner, space, fixed, sweep_dir, self.n_trials)
-        try:
-            if hasattr(self.launcher, "launch_as_slots_free"):  # distsync's: a trial per free slot, at once
-                to_run = max(1, self.n_trials - before.finished - before.running)
+        write = functools.partial(self._write_results, study, sweep_dir)
+        if hasattr(self.launcher, "launch_as_slots_free"):  # distsync's: a trial per free slot, at once
+            to_run = max(1, self.n_trials - before.finished - before.running)
+            with _settled_when_stopped(runner, None, write):
                 self.launcher.launch_as_slots_free(runner.next_job, runner.finished, max_jobs=to_run)
-            else:  # any other launcher: batches of n_jobs, as it takes them
-                while (batch := runner.batch(self.n_jobs)) is not None:
-                    for numbers, overrides in _consecutive(batch):
-                        returns = self.launcher.launch(overrides, numbers[0])
-                        for number, ret in zip(numbers, returns, strict=True):
-                            runner.finished(number, ret)
-        except BaseException:  # Ctrl-C, SIGTERM: the trials still running were interrupted
-            try:
-                runner.settle_open()
-                self._write_results(study, sweep_dir)
-            except Exception as error:  # the storage is gone too: a resumed sweep settles them
-                log.error(f"the trials still running could not be told interrupted: {error!r}")
-            raise
+        else:  # any other launcher: n_jobs slots, a trial each (_slots.py)
+            slots = self._slots(runner, sweep_dir)
+            with _sigterm_as_exit(), _settled_when_stopped(runner, slots, write):
+                if runs_in_process(self.launcher):
+                    slots.run_here()
+                else:
+                    slots.run_threads()
         self._write_results(study, sweep_dir)
         after = counts(study)
         log.info(
@@ -129,6 +138,17 @@ class AsyncOptunaStudy:
         if failed and len(failed) / total > self.max_failure_rate:
             log.error(f"{len(failed)} of {total} trials failed (max_failure_rate={self.max_failure_rate})")
             _ = failed[0].return_value  # raises the first failure, its traceback: the sweep exits non-zero
+
+    def _slots(self, runner: Trials, sweep_dir: Path) -> Slots:
+        if runs_in_process(self.launcher):
+            if self.n_jobs > 1:
+                log.info(f"Hydra's basic launcher runs one job at a time: trials one after the other, "
+                         f"not n_jobs={self.n_jobs} at once")  # fmt: skip
+            return Slots(runner, LaunchOne(self.launcher), 1, self.max_retries)
+        submitit = is_submitit(self.launcher)
+        run_one = SubmititJobs(self.launcher, sweep_dir) if submitit else LaunchOne(self.launcher)
+        log.info(f"Launching trials as {self.n_jobs} slots free, each trial a job of its own")
+        return Slots(runner, run_one, self.n_jobs, self.max_retries)
 
     def _sampler(self, space: dict[str, BaseDistribution]) -> optuna.samplers.BaseSampler:
         conf = OmegaConf.to_container(self.sampler_conf, resolve=True) if self.sampler_conf else {}
@@ -158,16 +178,43 @@ class AsyncOptunaStudy:
         (sweep_dir / "optuna_trials.md").write_text(_trials_table(study, self.directions))
 
 
-def _consecutive(batch: list[tuple[int, list[str]]]) -> list[tuple[list[int], list[list[str]]]]:
-    """``batch``'s jobs in runs of consecutive numbers: a launcher numbers a batch's jobs from its first."""
-    runs: list[tuple[list[int], list[list[str]]]] = []
-    for number, overrides in batch:
-        if runs and runs[-1][0][-1] + 1 == number:
-            runs[-1][0].append(number)
-            runs[-1][1].append(overrides)
-        else:
-            runs.append(([number], [overrides]))
-    return runs
+@contextlib.contextmanager
+def _settled_when_stopped(
+    runner: Trials, slots: Slots | None, write_results: Callable[[], None]
+) -> Iterator[None]:
+    """Ctrl-C, SIGTERM or an error while trials run: cancel the jobs of ``slots``, settle the trials still
+    running (:meth:`Trials.settle_open`), write the results, and raise (``SystemExit(130)`` for Ctrl-C)."""
+    try:
+        yield
+    except BaseException as error:
+        if slots is not None:
+            slots.stop_all()
+        try:
+            with slots.lock if slots is not None else contextlib.nullcontext():
+                runner.settle_open()
+            write_results()
+        except Exception as settling:  # the storage is gone too: a resumed sweep settles them
+            log.error(f"the trials still running could not be told interrupted: {settling!r}")
+        if isinstance(error, KeyboardInterrupt) and slots is not None:
+            raise SystemExit(130) from None
+        raise
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """SIGTERM raises ``SystemExit(143)`` in the main thread, so that it settles the sweep as Ctrl-C does."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _arguments(conf: Any) -> dict[str, Any]:

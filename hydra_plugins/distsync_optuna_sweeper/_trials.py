@@ -63,7 +63,7 @@ def counts(study: optuna.Study) -> Counts:
 
 
 class Trials:
-    """The trials this sweep asks (``next_job``, as slots free, or ``batch``) and tells (``finished``)."""
+    """The trials this sweep asks (``next_job``, as slots free) and tells (``finished``, ``lost``)."""
 
     def __init__(
         self,
@@ -81,6 +81,7 @@ class Trials:
         self.sweep_dir, self.n_trials = sweep_dir, n_trials
         self.asked: dict[int, optuna.Trial] = {}  # by trial number, until told
         self.returns: list[JobReturn] = []
+        self.relaunched: dict[int, int] = {}  # by trial number: how often its lost job was launched again
 
     def next_job(self) -> tuple[int, list[str]] | None:
         """The next trial's number and the overrides of its job, or None while the study has ``n_trials``
@@ -98,13 +99,6 @@ class Trials:
         trial_id = trial._trial_id  # noqa: SLF001  the storage's id of the trial, which the workers open
         trial_env = tuning.job_overrides(self.url, self.study.study_name, trial_id, self.pruner)
         return trial.number, [*overrides, *trial_env]
-
-    def batch(self, size: int) -> list[tuple[int, list[str]]] | None:
-        """Up to ``size`` jobs for a launcher that takes batches."""
-        jobs = []
-        while len(jobs) < size and (job := self.next_job()) is not None:
-            jobs.append(job)
-        return jobs or None
 
     def finished(self, number: int, ret: JobReturn) -> None:
         """Tell the study how trial ``number``'s job ended."""
@@ -131,7 +125,34 @@ class Trials:
         record = {"number": number, "state": state.name, "values": values, "params": trial.params}
         if pruned_at is not None:
             record["pruned_at_step"] = pruned_at
+        if self.relaunched.get(number):
+            record["relaunched"] = self.relaunched[number]
         _write_record(job_dir, record)
+
+    def lost(self, number: int, error: BaseException, retry: bool) -> bool:
+        """Trial ``number``'s job ended without a result (``error``: cancelled, preempted, timed out); whether
+        to launch it again, with the same parameters in the same job directory (``retry`` allows it). A
+        trial whose rank 0 had recorded its value, or whose pruner had stopped it, is told complete or
+        pruned instead; a trial not launched again is told failed with ``error``."""
+        trial = self.asked[number]
+        attrs = self.storage.get_trial_user_attrs(trial._trial_id)  # noqa: SLF001
+        first_line = str(error).splitlines()[0] if str(error) else repr(error)
+        if attrs.get(tuning.RESULT) is not None or attrs.get(tuning.PRUNED_AT) is not None:
+            log.info(f"trial #{number}: its job ended without a result ({first_line}) after its world had "
+                     "recorded its outcome: told as recorded")  # fmt: skip
+            recorded = JobReturn(status=JobStatus.COMPLETED, _return_value=attrs.get(tuning.RESULT))
+            self.finished(number, recorded)
+            return False
+        if retry:
+            self.relaunched[number] = self.relaunched.get(number, 0) + 1
+            log.warning(
+                f"trial #{number}: its job ended without a result ({first_line}); launching it again in its "
+                f"job dir (relaunch {self.relaunched[number]}), where it resumes from its checkpoint"
+            )
+            return True
+        log.warning(f"trial #{number}: its job ended without a result ({first_line}), no retry left: failed")
+        self.finished(number, JobReturn(status=JobStatus.FAILED, _return_value=error))
+        return False
 
     def settle_open(self) -> None:
         """The trials this sweep asked and was not told about (it was stopped): settled from what their
