@@ -223,26 +223,32 @@ REENTRANT_CHECKPOINT_CODES = tuple(
 CHECKPOINT_FRAME_CLASS = getattr(torch_checkpoint, "_CheckpointFrame", None)  # non-reentrant: one per call
 
 
-def checkpoint_regions_on_stack() -> Iterator[tuple[object, bool]]:
+def checkpoint_regions_on_stack() -> list[tuple[object, bool]]:
     """``(region, recomputing)`` for each activation-checkpointed region the current call runs in,
-    innermost first: torch's own object for the region (the reentrant ``CheckpointFunction``'s ``ctx``, the
-    non-reentrant checkpoint's ``_CheckpointFrame``) and whether this is its recomputation (True) or its
-    forward (False). Read from the frames of ``torch/utils/checkpoint.py``, the only place where both the
-    region's forward and its recomputation are visible (2.0 to 2.14 at least); where torch's internals
-    change so that none is found, nothing is yielded (a recomputed call is then an ordinary one)."""
-    forward, backward = REENTRANT_CHECKPOINT_CODES
-    frame = sys._getframe(1)
+    innermost first, up to the first one being recomputed: torch's own object for the region (the
+    reentrant ``CheckpointFunction``'s ``ctx``, the non-reentrant checkpoint's ``_CheckpointFrame``) and
+    whether this is its recomputation (True) or its forward (False). Read from the frames of
+    ``torch/utils/checkpoint.py``, the only place where both the region's forward and its recomputation are
+    visible (2.0 to 2.14 at least); where torch's internals change so that none is found, the list is empty
+    (a recomputed call is then an ordinary one). Its caller's own frame is skipped (it is distsync's). A
+    plain loop, no generator: it runs at every synchronized call."""
+    found: list[tuple[object, bool]] = []
+    frame = sys._getframe(2)  # the caller's caller: the frame of the synchronized call and those above it
     while frame is not None:
         code = frame.f_code
         if code.co_filename == _CHECKPOINT_FILE:
-            local = frame.f_locals
-            if code is forward or code is backward:
-                yield local.get("ctx"), code is backward
+            if code in REENTRANT_CHECKPOINT_CODES:
+                region = (frame.f_locals.get("ctx"), code is REENTRANT_CHECKPOINT_CODES[1])
             elif CHECKPOINT_FRAME_CLASS is not None:
-                found = _non_reentrant_region(local)
-                if found is not None:
-                    yield found
+                region = _non_reentrant_region(frame.f_locals)
+            else:
+                region = None
+            if region is not None:
+                found.append(region)
+                if region[1]:
+                    break
         frame = frame.f_back
+    return found
 
 
 def _non_reentrant_region(local: dict) -> tuple[object, bool] | None:

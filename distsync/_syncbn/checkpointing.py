@@ -114,12 +114,11 @@ def regions() -> Regions:
     (:func:`distsync._torch_compat.checkpoint_regions_on_stack`)."""
     if torch.compiler.is_compiling():  # compiled code recomputes under its own rules (nothing is kept)
         return OUTSIDE
-    replaying, logging = None, []
-    for region, recomputing in _torch_compat.checkpoint_regions_on_stack():
-        if recomputing:
-            replaying = region
-            break
-        logging.append(region)
+    found = _torch_compat.checkpoint_regions_on_stack()
+    if not found:
+        return OUTSIDE
+    replaying = found[-1][0] if found[-1][1] else None
+    logging = [region for region, recomputing in found if not recomputing]
     if replaying is None and not logging:
         return OUTSIDE
     return Regions(replaying, tuple(logging))
