@@ -66,8 +66,14 @@ _LAZY: dict[str, str] = {
 }
 """Top-level names imported on first use, and the module each comes from."""
 
+_SUBPACKAGES = ("launching", "parallel", "tuning")
+"""Modules that ``distsync.<name>`` reaches without an import of their own, as it did when ``import
+distsync`` loaded them (``distsync.tuning.report_result(...)``)."""
+
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"distsync.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'distsync' has no attribute {name!r}")
@@ -77,7 +83,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return sorted({*globals(), *_LAZY, *_SUBPACKAGES})
 
 
 __all__ = [
