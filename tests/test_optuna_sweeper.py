@@ -224,38 +224,80 @@ def _check_job_dirs(sweep: Path, trials: dict) -> None:
             assert json.loads((job / "rank0.json").read_text())["x"] == trial.params["x"], job
 
 
+def _unshare_works(*options: str) -> bool:
+    try:
+        return subprocess.run(["unshare", *options, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _in_fresh_pid_namespace(command: list[str]) -> list[str]:
+    """``command`` as PID 1 of a PID namespace of its own (a restarted container: the same pid again)."""
+    return ["unshare", "--pid", "--fork", "--mount-proc", *command]
+
+
+def _on_host(name: str, command: list[str]) -> list[str]:
+    """``command`` where the host name is ``name`` (a sweep requeued onto another node)."""
+    return ["unshare", "--uts", "sh", "-c", f'hostname {name} && exec "$@"', "sh", *command]
+
+
+def _kill_9(proc: subprocess.Popen) -> None:
+    """SIGKILL to the sweep: ``proc`` itself, or the child that ``unshare --fork`` runs it as (its PID 1)."""
+    target = proc.pid
+    if Path(f"/proc/{proc.pid}/exe").resolve().name == "unshare":
+        target = int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[0])
+    os.kill(target, signal.SIGKILL)
+    proc.wait(60)
+
+
+RESUMED_IN = {
+    "the same host": (lambda c: c, lambda c: c),
+    "a fresh PID namespace": (_in_fresh_pid_namespace, _in_fresh_pid_namespace),
+    "another host name": (lambda c: c, lambda c: _on_host("requeued-elsewhere", c)),
+}
+
+
 @pytest.mark.slow
-def test_a_killed_sweep_resumed_by_the_same_command_gives_each_trial_a_job_dir_of_its_own(tmp_path):
-    """Killed during its second trial, the sweep is run again as it was: the trial that was running is
-    failed, not counted and queued again; trials go on from #2 in job dirs of their own (job numbers are
-    trial numbers), the first trial's dir untouched; the study ends with n_trials completed."""
+@pytest.mark.parametrize("where", list(RESUMED_IN))
+def test_a_killed_sweep_run_again_resumes_its_trial_in_its_job_dir(tmp_path, where):
+    """Killed with SIGKILL during its second trial, the sweep is run again as it was, where the killed one
+    ran, or as PID 1 of a fresh PID namespace after the killed one was PID 1 of its own (a restarted
+    container: its pid is the new sweep's), or under another host name (a requeued sweep job): the killed
+    sweep's heartbeat is silent, so the new sweep takes the trial over under its number and resumes it in
+    its job dir, from the step it had saved; the study ends with n_trials completed, each once."""
+    first_in, again_in = RESUMED_IN[where]
+    if where != "the same host" and not _unshare_works("--pid", "--fork", "--mount-proc", "--uts"):
+        pytest.skip("unshare cannot make PID and UTS namespaces here (it needs root or user namespaces)")
     args = [
         "hydra.sweeper.n_trials=3",
         "hydra.sweeper.n_jobs=1",
+        "hydra.sweeper.heartbeat_interval=1",
         "x=interval(0,1)",
-        "steps=6",
+        "steps=8",
         "step_seconds=0.5",
+        "checkpoint=true",
     ]
-    command = [sys.executable, str(APP), *SWEEPER, f"hydra.sweep.dir={tmp_path / 'sweep'}", *args]
-    first = subprocess.Popen(command, cwd=tmp_path, env=job_env(PYTHONPATH=_vision.python_path()))
-    storage = f"journal:{tmp_path / 'sweep' / 'optuna_journal.log'}"
-    _wait_for(lambda: (tmp_path / "sweep" / "0" / "rank0.json").exists(), "the first trial's end")
-    _wait_for(lambda: (tmp_path / "sweep" / "1" / ".hydra").is_dir(), "the second trial's job")
-    first.send_signal(signal.SIGKILL)
-    first.wait(60)
-    first_x = json.loads((tmp_path / "sweep" / "0" / "rank0.json").read_text())["x"]
-    proc = _sweep(tmp_path, *args)
-    assert proc.returncode == 0
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, str(APP), *SWEEPER, f"hydra.sweep.dir={sweep}", *args]
+    first = subprocess.Popen(first_in(command), cwd=tmp_path, env=job_env(PYTHONPATH=_vision.python_path()))
+    storage = f"journal:{sweep / 'optuna_journal.log'}"
+    saved = sweep / "1" / "step0.txt"
+    _wait_for(lambda: saved.exists() and int(saved.read_text() or -1) >= 2, "the second trial's step 2")
+    _kill_9(first)
+    killed_after = int(saved.read_text())
+    first_x = json.loads((sweep / "0" / "rank0.json").read_text())["x"]
+    assert _trials(storage, "distsync")[1].state.name == "RUNNING"
+    proc = run_job(again_in(command), tmp_path, timeout=240, PYTHONPATH=_vision.python_path())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trials = _trials(storage, "distsync")
-    assert trials[0].state.name == "COMPLETE" and trials[0].params["x"] == first_x
-    assert trials[1].state.name == "FAIL" and trials[1].user_attrs["distsync_interrupted"]
-    retry = trials[2]  # the interrupted trial's parameters, run first, in a directory of its own
-    assert retry.params == trials[1].params and retry.system_attrs["failed_trial"] == 1
-    assert [t.number for t in trials.values() if t.state.name == "COMPLETE"] == [0, 2, 3]
-    assert yaml.safe_load((tmp_path / "sweep" / "1" / "trial.yaml").read_text())["retried_as"] == 2
-    _check_job_dirs(tmp_path / "sweep", trials)
-    assert "1 of n_trials=3 finished, 0 running" in proc.stdout  # at the start: #0; #1 not counted
-    assert "this sweep ran 2" in proc.stdout + proc.stderr
+    assert [t.state.name for t in trials.values()] == ["COMPLETE"] * 3
+    assert trials[0].params["x"] == first_x
+    runs = [json.loads(line) for line in (sweep / "1" / "started0.jsonl").read_text().splitlines()]
+    assert [r["first_step"] for r in runs] == [0, killed_after + 1]  # went on, not over
+    assert yaml.safe_load((sweep / "1" / "trial.yaml").read_text())["resumed_from_a_gone_sweep"]
+    _check_job_dirs(sweep, trials)
+    assert "1 of n_trials=3 finished, 1 running" in proc.stdout  # at the start: #0 done, #1 running
+    assert "trial #1: its sweep is gone (" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
@@ -288,15 +330,17 @@ def test_a_trial_whose_rank_0_returned_before_the_kill_counts_as_finished(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="two 1-core trials at once")
-def test_ctrl_c_of_a_packed_study_interrupts_its_running_trials_and_the_next_sweep_runs_them(tmp_path):
-    """Ctrl-C while two trials run: both are told failed as interrupted (not counted toward n_trials, as
-    after a kill), and queued again; the same command runs them first, each in a job dir of its own."""
+def test_ctrl_c_of_a_packed_study_stops_its_trials_and_the_next_sweep_resumes_them(tmp_path):
+    """Ctrl-C while two trials run: their worlds stop, the trials stay running, marked interrupted, and the
+    sweep exits 130; the same command resumes both at once (the stopped sweep's heartbeat says it ended),
+    each under its number in its job dir, from its last saved step, and runs the third."""
     args = [
         *PACKED,
         "hydra.sweeper.n_trials=3",
         "hydra.sweeper.n_jobs=2",
         "x=interval(0,1)",
         "step_seconds=0.5",
+        "checkpoint=true",
     ]
     sweep = tmp_path / "sweep"
     command = [sys.executable, str(APP), *SWEEPER, f"hydra.sweep.dir={sweep}", *args, "steps=200"]
@@ -307,30 +351,41 @@ def test_ctrl_c_of_a_packed_study_interrupts_its_running_trials_and_the_next_swe
         stderr=subprocess.PIPE,
         text=True,
     )
-    _wait_for(lambda: len(list(sweep.glob("*/logs/rank0.log"))) == 2, "two trials' workers")
+    _wait_for(lambda: len(list(sweep.glob("*/step0.txt"))) == 2, "two trials' first steps")
     first.send_signal(signal.SIGINT)
     _, stderr = first.communicate(timeout=120 * timeout_scale())
     assert first.returncode == 130, stderr
     storage = f"journal:{sweep / 'optuna_journal.log'}"
     trials = _trials(storage, "distsync")
     assert [(t.state.name, t.user_attrs.get("distsync_interrupted")) for t in trials.values()] == [
-        ("FAIL", True),
-        ("FAIL", True),
-        ("WAITING", None),
-        ("WAITING", None),
+        ("RUNNING", True),
+        ("RUNNING", True),
     ]
-    assert {t.params["x"] for t in trials.values() if t.number < 2} == {
-        trials[2].params["x"],
-        trials[3].params["x"],
-    }
-    assert "interrupted (not counted)" in (sweep / "optuna_trials.md").read_text()
+    assert "interrupted (the next sweep resumes it)" in (sweep / "optuna_trials.md").read_text()
+    stopped_at = {n: int((sweep / str(n) / "step0.txt").read_text()) for n in (0, 1)}
 
-    proc = _sweep(tmp_path, *args, "steps=1")
+    started = time.monotonic()
+    proc = _sweep(tmp_path, *args, "steps=6")
     assert proc.returncode == 0
+    assert time.monotonic() - started < 60 * timeout_scale()  # no wait for a grace period
     trials = _trials(storage, "distsync")
-    assert [t.state.name for t in trials.values()] == ["FAIL", "FAIL", "COMPLETE", "COMPLETE", "COMPLETE"]
-    assert sorted(t.system_attrs.get("failed_trial", -1) for t in trials.values())[-2:] == [0, 1]
+    assert [t.state.name for t in trials.values()] == ["COMPLETE", "COMPLETE", "COMPLETE"]
+    for n in (0, 1):
+        runs = [json.loads(line) for line in (sweep / str(n) / "started0.jsonl").read_text().splitlines()]
+        assert [r["first_step"] for r in runs] == [0, stopped_at[n] + 1], n
     _check_job_dirs(sweep, trials)
+
+
+@pytest.mark.slow
+def test_a_seeded_study_run_again_draws_new_parameters(tmp_path):
+    """A seeded sampler, the study run again for more trials: the new trials' parameters are not the first
+    trials' again (the sampler is seeded with the seed plus the trials the study has)."""
+    args = ["hydra/sweeper/sampler=random", "hydra.sweeper.sampler.seed=0", "x=interval(0,1)", "steps=1"]
+    assert _sweep(tmp_path, *args, "hydra.sweeper.n_trials=2").returncode == 0
+    assert _sweep(tmp_path, *args, "hydra.sweeper.n_trials=4").returncode == 0
+    trials = _trials(f"journal:{tmp_path / 'sweep' / 'optuna_journal.log'}", "distsync")
+    xs = [trials[n].params["x"] for n in range(4)]
+    assert len(set(xs)) == 4, xs
 
 
 @pytest.mark.slow
@@ -492,7 +547,7 @@ def _slots_over(tmp_path: Path, run_one, n_trials: int, max_retries: int):
     storage = storage_from_url(url)
     study = optuna.create_study(study_name="slots", storage=storage)
     space = {"x": FloatDistribution(0.0, 1.0)}
-    trials = Trials(study, storage, url, {}, space, {}, tmp_path / "sweep", n_trials)
+    trials = Trials(study, storage, url, {}, space, {}, tmp_path / "sweep", n_trials, "this-sweep", 60.0)
     return study, storage, Slots(trials, run_one, 2, max_retries)
 
 
@@ -509,7 +564,7 @@ def test_a_lost_job_is_launched_again_with_its_number_unless_its_world_recorded_
     calls: list[tuple[int, list[str]]] = []
     storage_box: list = []
 
-    def run_one(number, overrides, stop):
+    def run_one(number, overrides, stop, job):
         calls.append((number, list(overrides)))
         x = float(next(o for o in overrides if o.startswith("x=")).split("=", 1)[1])
         if number == 1 and sum(n == 1 for n, _ in calls) == 1:
@@ -542,6 +597,29 @@ def test_a_lost_job_is_launched_again_with_its_number_unless_its_world_recorded_
     (failed,) = [r for r in slots.trials.returns if r.status == JobStatus.FAILED]
     assert "NODE_FAIL" in str(failed._return_value)  # the sweep's error, if it ends failing, says why
     assert slots.trials.relaunched == {1: 1, 3: 1}
+
+
+def test_a_sweeps_heartbeat_beats_while_it_runs_and_says_when_it_ended(tmp_path):
+    """The sweep's heartbeat is written every interval while it runs (its trials' silence stays below the
+    interval) and as 0 when it ends (its trials are silent for ever: the next sweep takes them over at
+    once); a trial no distsync sweep runs has no heartbeat at all."""
+    from distsync.tuning import storage_from_url
+    from hydra_plugins.distsync_optuna_sweeper._heartbeat import OWNER, Heartbeat, silent_for
+
+    storage = storage_from_url(f"journal:{tmp_path / 'journal.log'}")
+    study = optuna.create_study(study_name="beats", storage=storage)
+    study_id = storage.get_study_id_from_name("beats")
+    ours, foreign = study.ask(), study.ask()
+    with Heartbeat(storage, study_id, interval=0.1) as beat:
+        ours.set_user_attr(OWNER, beat.sweep_id)
+        time.sleep(0.5)
+        frozen = {t.number: t for t in study.get_trials()}
+        silent = silent_for(frozen[ours.number], storage.get_study_system_attrs(study_id), time.time())
+        assert silent is not None and silent < 0.1 + 0.25 * timeout_scale()
+    frozen = {t.number: t for t in study.get_trials()}
+    beats = storage.get_study_system_attrs(study_id)
+    assert silent_for(frozen[ours.number], beats, time.time()) == float("inf")
+    assert silent_for(frozen[foreign.number], beats, time.time()) is None
 
 
 def _submitit_sweep(tmp_path: Path, *args: str) -> list[str]:
@@ -609,19 +687,18 @@ def test_through_submitit_a_trial_whose_job_is_killed_goes_on_in_its_job_dir(tmp
 
 
 @pytest.mark.slow
-def test_sigterm_to_a_submitit_sweep_cancels_its_jobs_and_settles_its_trials(tmp_path):
-    """SIGTERM to the sweep, as Ctrl-C: the jobs it submitted are cancelled (their processes end), the trials
-    that ran are told interrupted and queued again, and the sweep exits 143."""
+def test_sigterm_to_a_submitit_sweep_cancels_its_jobs_and_the_same_command_resumes_them(tmp_path):
+    """SIGTERM to the sweep, as Ctrl-C: the jobs it submitted are cancelled (their processes end), their
+    trials stay running, marked interrupted, and the sweep exits 143; the same command resumes each under its
+    number in its job dir from its last saved step: every trial finished once, the sweep exits 0."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep = tmp_path / "sweep"
-    command = _submitit_sweep(
-        tmp_path, "hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2", "x=interval(0,1)", "steps=200",
-        "step_seconds=0.5",
-    )  # fmt: skip
+    args = ["hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2", "x=interval(0,1)", "step_seconds=0.5"]
+    command = _submitit_sweep(tmp_path, *args, "checkpoint=true", "steps=200")
     env = job_env(PYTHONPATH=_vision.python_path())
     output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     driver = subprocess.Popen(command, cwd=tmp_path, env=env, start_new_session=True, **output)
-    _wait_for(lambda: len(list(sweep.glob("*/started0.jsonl"))) == 2, "two trials' jobs")
+    _wait_for(lambda: len(list(sweep.glob("*/step0.txt"))) == 2, "two trials' first steps")
     pids = [json.loads(p.read_text().splitlines()[0])["pid"] for p in sweep.glob("*/started0.jsonl")]
     driver.send_signal(signal.SIGTERM)
     output, _ = driver.communicate(timeout=120 * timeout_scale())
@@ -629,9 +706,48 @@ def test_sigterm_to_a_submitit_sweep_cancels_its_jobs_and_settles_its_trials(tmp
     _wait_for(lambda: not any(_alive(pid) for pid in pids), "the cancelled jobs' processes to end", 60)
     trials = _trials(f"journal:{sweep / 'optuna_journal.log'}", "distsync")
     assert [(t.state.name, t.user_attrs.get("distsync_interrupted")) for t in trials.values()] == [
-        ("FAIL", True), ("FAIL", True), ("WAITING", None), ("WAITING", None),
+        ("RUNNING", True), ("RUNNING", True),
     ]  # fmt: skip
     assert "cancelling job" in output
+    stopped_at = {n: int((sweep / str(n) / "step0.txt").read_text()) for n in (0, 1)}
+
+    proc = run_job(_submitit_sweep(tmp_path, *args, "checkpoint=true", "steps=8"), tmp_path, timeout=300,
+                   PYTHONPATH=_vision.python_path())  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trials = _trials(f"journal:{sweep / 'optuna_journal.log'}", "distsync")
+    assert [t.state.name for t in trials.values()] == ["COMPLETE"] * 3
+    for n in (0, 1):
+        runs = [json.loads(line) for line in (sweep / str(n) / "started0.jsonl").read_text().splitlines()]
+        assert [r["first_step"] for r in runs] == [0, stopped_at[n] + 1], n
+    _check_job_dirs(sweep, trials)
+
+
+@pytest.mark.slow
+def test_a_killed_submitit_sweeps_running_job_is_waited_for_and_its_result_taken(tmp_path):
+    """SIGKILL to a submitit sweep while a trial's job runs: the job runs on (it is not the sweep's
+    process). The same command, run again, takes the trial over and waits for that job rather than
+    starting another in its job dir: the trial ran once, from step 0 to its end, and its result is told."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    sweep = tmp_path / "sweep"
+    args = ["hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", "hydra.sweeper.heartbeat_interval=1",
+            "x=interval(0,1)", "step_seconds=0.5", "steps=16", "checkpoint=true"]  # fmt: skip
+    env = job_env(PYTHONPATH=_vision.python_path())
+    driver = subprocess.Popen(_submitit_sweep(tmp_path, *args), cwd=tmp_path, env=env, start_new_session=True)
+    saved = sweep / "0" / "step0.txt"
+    _wait_for(lambda: saved.exists() and int(saved.read_text() or -1) >= 2, "trial #0's step 2")
+    driver.send_signal(signal.SIGKILL)
+    driver.wait(60)
+    (run,) = [json.loads(line) for line in (sweep / "0" / "started0.jsonl").read_text().splitlines()]
+    assert _alive(run["pid"])  # the job runs on without its sweep
+    proc = run_job(_submitit_sweep(tmp_path, *args), tmp_path, timeout=300, PYTHONPATH=_vision.python_path())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trials = _trials(f"journal:{sweep / 'optuna_journal.log'}", "distsync")
+    assert [t.state.name for t in trials.values()] == ["COMPLETE"] * 2
+    runs = [json.loads(line) for line in (sweep / "0" / "started0.jsonl").read_text().splitlines()]
+    assert [r["first_step"] for r in runs] == [0]  # the one run, waited for: nothing computed twice
+    assert trials[0].value == json.loads((sweep / "0" / "rank0.json").read_text())["x"]
+    assert "UpdateFinishedTrialError" not in proc.stdout + proc.stderr
+    _check_job_dirs(sweep, trials)
 
 
 def _alive(pid: int) -> bool:

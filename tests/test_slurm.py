@@ -10,6 +10,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -470,3 +471,79 @@ def test_an_optuna_trial_whose_slurm_job_is_cancelled_resumes_in_its_job_dir(slu
     assert yaml.safe_load((run_dir / "trial.yaml").read_text())["relaunched"] == 1
     for job in ("0", "2"):
         assert summary(sweep / job)["steps"] == 300
+
+
+def _trial_dirs_training(sweep: Path, numbers: tuple[str, ...], steps: int) -> bool:
+    return all(len(train_steps(sweep / n)) >= steps for n in numbers if (sweep / n).is_dir()) and all(
+        (sweep / n).is_dir() for n in numbers
+    )
+
+
+def test_an_optuna_driver_sigtermed_mid_study_and_run_again_finishes_each_trial_once(slurm_cluster, tmp_path):
+    """SIGTERM to the sweep while two trials' SLURM jobs train: it cancels them (their ranks save a
+    checkpoint), leaves their trials to the next sweep and exits 143. The same command, run again, resumes
+    both under their numbers in their job dirs from those checkpoints (its heartbeat said the first sweep
+    ended: no grace period to wait) and runs the third: exit 0, every trial finished once, none refused."""
+    args = ["hydra.sweeper.n_trials=3", "hydra.sweeper.direction=maximize", "optim.lr=interval(0.05,0.2)"]
+    args += [*TINY[:2], "trainer.max_steps=2000", *TINY[3:]]  # long enough to be stopped
+    sweep = tmp_path / "sweep"
+    driver = _optuna_sweep(slurm_cluster, tmp_path, *args)
+    wait_until(
+        lambda: _trial_dirs_training(sweep, ("0", "1"), 3), 300, "trials #0 and #1 train", slurm_cluster
+    )
+    jobs = _sweep_jobs(sweep)
+    driver.send_signal(signal.SIGTERM)
+    out, _ = driver.communicate(timeout=120 * timeout_scale())
+    assert driver.returncode == 143, out[-4000:]
+    for job in jobs:
+        slurm_cluster.wait_for(job, ("CANCELLED",), timeout=60)
+        wait_until(lambda job=job: not processes_of(job), 30, f"job {job}'s processes end", slurm_cluster)
+    saved_at = {}
+    for n in ("0", "1"):
+        (saved,) = (sweep / n / "checkpoints").glob("step_*.pt")
+        saved_at[n] = int(saved.stem.removeprefix("step_"))
+    again = _optuna_sweep(slurm_cluster, tmp_path, *args)
+    out_again, _ = again.communicate(timeout=900 * timeout_scale())
+    assert again.returncode == 0, out_again[-4000:]
+    assert "Study distsync: 3 of n_trials=3 finished" in out_again, out_again[-4000:]
+    for n in ("0", "1"):
+        s = summary(sweep / n)
+        assert s["steps"] == 2000 and s["resumed_from_step"] == saved_at[n], (n, s)
+        steps = train_steps(sweep / n)
+        assert steps == sorted(set(steps)) and steps[-1] == 2000, n  # went on, not over
+        assert f"trial #{n}: its sweep is gone (it ended); this sweep resumes it" in out_again
+    assert summary(sweep / "2")["steps"] == 2000
+    assert not (sweep / "3").exists()  # no fourth trial: the interrupted ones kept their numbers
+    assert "UpdateFinishedTrialError" not in out + out_again
+
+
+def test_an_optuna_driver_killed_with_sigkill_leaves_its_job_to_the_next_sweep(slurm_cluster, tmp_path):
+    """SIGKILL to the sweep while a trial's SLURM job trains: the job trains on. The same command, run again
+    at once, finds the killed sweep's heartbeat fresh, so it runs the other trial meanwhile; once the
+    heartbeat is grace_period old it takes the trial over and waits for that job rather than submitting it
+    again: every trial one SLURM job, its result told, the sweep exits 0."""
+    args = ["hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", "hydra.sweeper.heartbeat_interval=2"]
+    args += ["hydra.sweeper.direction=maximize", "optim.lr=interval(0.05,0.2)"]
+    args += [*TINY[:2], "trainer.max_steps=2000", *TINY[3:]]  # still training after the kill
+    sweep = tmp_path / "sweep"
+    driver = _optuna_sweep(slurm_cluster, tmp_path, *args)
+    wait_until(lambda: _trial_dirs_training(sweep, ("0",), 3), 300, "trial #0 trains", slurm_cluster)
+    (job,) = _sweep_jobs(sweep)
+    driver.kill()
+    driver.communicate(timeout=60)
+    killed = time.monotonic()
+    assert slurm_cluster.job(job)["JobState"] == "RUNNING"
+    again = _optuna_sweep(slurm_cluster, tmp_path, *args)
+    out, _ = again.communicate(timeout=900 * timeout_scale())
+    assert again.returncode == 0, out[-4000:]
+    assert "Study distsync: 2 of n_trials=2 finished" in out, out[-4000:]
+    assert "this sweep resumes it in its job dir (its job slurm:" in out, out
+    assert len(_sweep_jobs(sweep)) == 2  # trial #0's job waited for, not submitted again
+    assert slurm_cluster.job(job).get("JobState", "COMPLETED") == "COMPLETED"
+    s = summary(sweep / "0")
+    assert s["steps"] == 2000 and not s.get("resumed_from_step"), s
+    assert summary(sweep / "1")["steps"] == 2000
+    silent = re.search(r"trial #0: its sweep is gone \(its heartbeat silent for ([0-9.]+) s\)", out)
+    assert silent and float(silent.group(1)) > 4.0, out  # grace_period: twice heartbeat_interval
+    print(f"trial #0 taken over after a heartbeat silence of {silent.group(1)} s; the rerun took "
+          f"{time.monotonic() - killed:.1f} s from the kill")  # fmt: skip

@@ -20,11 +20,18 @@ checkpoint in that directory. A trial whose rank 0 had recorded its value
 never run again. On a cluster without
 SLURM accounting (``sacct`` says so), where submitit never learns that a job ended without a result, the
 sweep asks ``squeue`` instead.
+
+**Jobs outlive a killed sweep.** Each submitted job is recorded in its trial (``slurm:<job id>``, or for
+``submitit_local`` ``local:<pid>:<start time>``, which no other process, PID namespace or host can match),
+so that the sweep that takes over a killed sweep's trial waits for its job while it runs, rather than
+starting a second one in the same directory; a job that ended without a result is launched again.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -84,13 +91,21 @@ def is_submitit(launcher: Any) -> bool:
     )
 
 
+RunOne = Callable[[int, Sequence[str], threading.Event, "str | None"], JobReturn]
+"""``run_one(number, overrides, stop, job)``: trial ``number``'s job, or ``job`` (its record, see
+:meth:`SubmititJobs.record`) where a gone sweep left it running; returns how it ended."""
+
+
 class LaunchOne:
-    """Runs one trial's job through ``launcher.launch([overrides], number)``; cannot stop it."""
+    """Runs one trial's job through ``launcher.launch([overrides], number)``; cannot stop it, nor wait for
+    a job another sweep started (a trial taken over is launched again, where it resumes)."""
 
     def __init__(self, launcher: Any) -> None:
         self.launcher = launcher
 
-    def __call__(self, number: int, overrides: Sequence[str], stop: threading.Event) -> JobReturn:
+    def __call__(
+        self, number: int, overrides: Sequence[str], stop: threading.Event, job: str | None = None
+    ) -> JobReturn:
         (ret,) = self.launcher.launch([list(overrides)], number)
         return ret
 
@@ -99,17 +114,19 @@ class LaunchOne:
 
 
 class SubmititJobs:
-    """Submits one trial's job as Hydra's submitit launcher submits a sweep's jobs, and waits for it."""
+    """Submits one trial's job as Hydra's submitit launcher submits a sweep's jobs, and waits for it;
+    ``on_submit(number, job)`` records each job in its trial."""
 
-    def __init__(self, launcher: Any, sweep_dir: Path) -> None:
+    def __init__(self, launcher: Any, sweep_dir: Path, on_submit: Callable[[int, str], None]) -> None:
         import submitit
         from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
         from omegaconf import OmegaConf
 
-        self.launcher, self.sweep_dir = launcher, sweep_dir
+        self.launcher, self.sweep_dir, self.on_submit = launcher, sweep_dir, on_submit
         kind = launcher._EXECUTOR  # noqa: SLF001  "slurm" or "local", the launcher's own executor
         params = dict(launcher.params)
         init = {"folder": params.pop("submitit_folder")}
+        self.kind, self.folder = kind, init["folder"]
         if "max_num_timeout" in params:
             init[f"{kind}_max_num_timeout"] = params.pop("max_num_timeout")
         self.executor = submitit.AutoExecutor(cluster=kind, **init)
@@ -118,29 +135,58 @@ class SubmititJobs:
         self.slurm = kind == "slurm"
         self.sacct = True  # False where sacct says "accounting storage is disabled"
         self.running: dict[int, Any] = {}  # trial number -> its submitit job
+        self.local_starts: dict[str, str] = {}  # pid of a local job this sweep did not start -> its start
         self.lock = threading.Lock()
 
-    def __call__(self, number: int, overrides: Sequence[str], stop: threading.Event) -> JobReturn:
+    def __call__(
+        self, number: int, overrides: Sequence[str], stop: threading.Event, job: str | None = None
+    ) -> JobReturn:
         from hydra.core.singleton import Singleton
 
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
+        adopted = self._adopt(job) if job else None
         with self.lock:  # submitit's executor is not known to be thread-safe
-            job = self.executor.submit(
-                self.launcher, list(overrides), "hydra.sweep.dir", number, f"job_id_for_{number}",
-                Singleton.get_state(),
-            )  # fmt: skip
-            self.running[number] = job
-        log.info(f"\t#{number} : submitted as job {job.job_id}")
+            if adopted is None:
+                submitted = self.executor.submit(
+                    self.launcher, list(overrides), "hydra.sweep.dir", number, f"job_id_for_{number}",
+                    Singleton.get_state(),
+                )  # fmt: skip
+            self.running[number] = adopted or submitted
+        if adopted is None:
+            self.on_submit(number, self.record(submitted))
+            log.info(f"\t#{number} : submitted as job {submitted.job_id}")
         try:
-            return self._wait(job, stop)
+            return self._wait(self.running[number], stop, check_now=adopted is not None)
         finally:
             with self.lock:
                 self.running.pop(number, None)
 
-    def _wait(self, job: Any, stop: threading.Event) -> JobReturn:
+    def record(self, job: Any) -> str:
+        """How a trial records ``job``: ``slurm:<id>``, or ``local:<pid>:<start time>`` (a pid alone could
+        be another process's by the time another sweep reads it)."""
+        if self.slurm:
+            return f"slurm:{job.job_id}"
+        return f"local:{job.job_id}:{_process_start(str(job.job_id))}"
+
+    def _adopt(self, job: str) -> Any | None:
+        """The submitit job recorded as ``job`` by a sweep now gone (None: another launcher's); one that
+        ended is returned too, and is found ended at once."""
+        import submitit
+
+        kind, _, rest = job.partition(":")
+        if kind != self.kind:
+            return None
+        if self.slurm:
+            log.info(f"waiting for job {rest}, which the gone sweep left running")
+            return submitit.SlurmJob(folder=self.folder, job_id=rest)
+        pid, _, start = rest.partition(":")
+        self.local_starts[pid] = start
+        return submitit.LocalJob(folder=self.folder, job_id=pid)
+
+    def _wait(self, job: Any, stop: threading.Event, check_now: bool = False) -> JobReturn:
         """Task 0's return (a job of several nodes runs a task on each, Hydra's launcher takes task 0's)."""
         job = job.task(0)  # the job itself when it has one task
-        asked = time.monotonic()
+        asked = time.monotonic() - (_STATE_EVERY_S if check_now else 0.0)
         while not job.paths.result_pickle.exists():
             if time.monotonic() - asked >= _STATE_EVERY_S:
                 asked = time.monotonic()
@@ -152,6 +198,8 @@ class SubmititJobs:
         return job.result()  # submitit's FailedJobError where the job's function raised
 
     def _ended(self, job: Any) -> bool:
+        if str(job.job_id) in self.local_starts:  # a local job this sweep did not start: not its child
+            return _process_start(str(job.job_id)) != self.local_starts[str(job.job_id)]
         if self.sacct and job.done(force_check=True):
             return True
         if not self.slurm:
@@ -177,9 +225,23 @@ class SubmititJobs:
         for job in jobs:
             log.info(f"cancelling job {job.job_id}")
             try:
+                if str(job.job_id) in self.local_starts:
+                    if not self._ended(job):
+                        os.kill(int(job.job_id), signal.SIGINT)  # as submitit cancels a local job
+                    continue
                 job.cancel(check=False)
             except Exception as error:  # noqa: BLE001  gone already, or the scheduler unreachable
                 log.warning(f"could not cancel job {job.job_id}: {error!r}")
+
+
+def _process_start(pid: str) -> str:
+    """When process ``pid`` of this PID namespace started (clock ticks since boot), "" if none runs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    return "" if fields[0] == "Z" else fields[19]
 
 
 def _sacct_answers(job_id: str) -> bool:
@@ -202,7 +264,7 @@ class Slots:
     def __init__(
         self,
         trials: Trials,
-        run_one: Callable[[int, Sequence[str], threading.Event], JobReturn],
+        run_one: RunOne,
         n_slots: int,
         max_retries: int,
     ) -> None:
@@ -250,10 +312,13 @@ class Slots:
             if job is None:
                 return
             number, overrides = job
+            with self.lock:
+                left_running = self.trials.adopted_jobs.pop(number, None)
             attempt = 0
             while True:
                 try:
-                    ret = self.run_one(number, overrides, self.stop)
+                    ret = self.run_one(number, overrides, self.stop, left_running)
+                    left_running = None
                 except _Stopped:
                     return  # the sweep settles the trial
                 except lost as error:
@@ -262,7 +327,8 @@ class Slots:
                     with self.lock:
                         again = self.trials.lost(number, error, retry=attempt < self.max_retries)
                     if again:
-                        attempt += 1
+                        attempt += 1 if left_running is None else 0  # a gone sweep's job is not a retry
+                        left_running = None
                         continue
                 except failed as error:
                     with self.lock:

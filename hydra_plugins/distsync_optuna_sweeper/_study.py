@@ -12,6 +12,7 @@ import logging
 import math
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import TrialState
 
 from distsync import tuning
+from hydra_plugins.distsync_optuna_sweeper._heartbeat import Heartbeat
 from hydra_plugins.distsync_optuna_sweeper._slots import (
     LaunchOne,
     Slots,
@@ -35,7 +37,7 @@ from hydra_plugins.distsync_optuna_sweeper._slots import (
     runs_in_process,
 )
 from hydra_plugins.distsync_optuna_sweeper._space import directions, grid_choices, search_space
-from hydra_plugins.distsync_optuna_sweeper._trials import INTERRUPTED, JOB_DIR, Trials, counts, settle_stale
+from hydra_plugins.distsync_optuna_sweeper._trials import INTERRUPTED, JOB_DIR, Trials, counts
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ class AsyncOptunaStudy:
         n_jobs: int,
         max_failure_rate: float,
         max_retries: int,
+        heartbeat_interval: float,
+        grace_period: float | None,
         params: DictConfig | None,
         custom_search_space: str | None,
     ) -> None:
@@ -62,6 +66,8 @@ class AsyncOptunaStudy:
         self.storage_url, self.study_name = storage, study_name
         self.n_trials, self.n_jobs, self.max_failure_rate = n_trials, max(1, n_jobs), max_failure_rate
         self.max_retries = max(0, max_retries)
+        self.heartbeat_interval = heartbeat_interval
+        self.grace_period = 2 * heartbeat_interval if grace_period is None else grace_period
         self.params, self.custom_search_space = params, custom_search_space
         self.directions: list[str] = []
         self.config: DictConfig | None = None
@@ -78,6 +84,11 @@ class AsyncOptunaStudy:
             raise ConfigCompositionException(
                 f"hydra.sweeper.max_failure_rate must be in [0, 1], got {self.max_failure_rate}"
             )
+        if not 0 < self.heartbeat_interval < self.grace_period:
+            raise ConfigCompositionException(
+                "hydra.sweeper.heartbeat_interval must be > 0 and below hydra.sweeper.grace_period, got "
+                f"{self.heartbeat_interval} and {self.grace_period}"
+            )
         self.directions = directions(self.direction)
         self.config, self.hydra_context = config, hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(
@@ -93,10 +104,11 @@ class AsyncOptunaStudy:
         sweep_dir.mkdir(parents=True, exist_ok=True)
         url = self.storage_url or f"journal:{(sweep_dir / 'optuna_journal.log').resolve()}"
         storage = tuning.storage_from_url(url)
+        name = self.study_name or "distsync"
         study = optuna.create_study(
-            study_name=self.study_name or "distsync",
+            study_name=name,
             storage=storage,
-            sampler=self._sampler(space),
+            sampler=self._sampler(space, _trials_in(storage, name)),
             pruner=_instantiate(self.pruner_conf),
             directions=self.directions,
             load_if_exists=True,
@@ -106,31 +118,34 @@ class AsyncOptunaStudy:
                 f"hydra.sweeper.direction={self.directions} but the study {study.study_name} in {url} "
                 f"was created with {[d.name.lower() for d in study.directions]}"
             )
-        settle_stale(study, storage)
         before = counts(study)
         log.info(
             f"Study {study.study_name} in {url}: {before.finished} of n_trials={self.n_trials} finished, "
             f"{before.running} running (n_trials counts the study's trials, every sweep's)"
         )
         pruner = _arguments(self.pruner_conf)
-        runner = Trials(study, storage, url, pruner, space, fixed, sweep_dir, self.n_trials)
+        heartbeat = Heartbeat(storage, storage.get_study_id_from_name(name), self.heartbeat_interval)
+        runner = Trials(
+            study, storage, url, pruner, space, fixed, sweep_dir, self.n_trials,
+            heartbeat.sweep_id, self.grace_period,
+        )  # fmt: skip
         write = functools.partial(self._write_results, study, sweep_dir)
-        if hasattr(self.launcher, "launch_as_slots_free"):  # distsync's: a trial per free slot, at once
-            to_run = max(1, self.n_trials - before.finished - before.running)
-            with _settled_when_stopped(runner, None, write):
-                self.launcher.launch_as_slots_free(runner.next_job, runner.finished, max_jobs=to_run)
-        else:  # any other launcher: n_jobs slots, a trial each (_slots.py)
-            slots = self._slots(runner, sweep_dir)
-            with _sigterm_as_exit(), _settled_when_stopped(runner, slots, write):
-                if runs_in_process(self.launcher):
+        slots = None if hasattr(self.launcher, "launch_as_slots_free") else self._slots(runner, sweep_dir)
+        with heartbeat, _sigterm_as_exit(), _settled_when_stopped(runner, slots, write):
+            while True:
+                if slots is None:  # distsync's launcher: a trial per free slot of its devices, at once
+                    self.launcher.launch_as_slots_free(runner.next_job, runner.finished, runner.jobs_left())
+                elif runs_in_process(self.launcher):
                     slots.run_here()
                 else:
                     slots.run_threads()
+                if not self._waited_for_other_sweeps(runner):
+                    break
         self._write_results(study, sweep_dir)
         after = counts(study)
         log.info(
             f"Study {study.study_name}: {after.finished} of n_trials={self.n_trials} finished"
-            + (f", {after.running} still running in another sweep" if after.running else "")
+            + (f", {after.running} still running outside distsync's sweeps" if after.running else "")
             + f"; this sweep ran {len(runner.returns)}"
         )
         failed = [ret for ret in runner.returns if ret.status == JobStatus.FAILED]
@@ -139,6 +154,20 @@ class AsyncOptunaStudy:
             log.error(f"{len(failed)} of {total} trials failed (max_failure_rate={self.max_failure_rate})")
             _ = failed[0].return_value  # raises the first failure, its traceback: the sweep exits non-zero
 
+    def _waited_for_other_sweeps(self, runner: Trials) -> bool:
+        """Wait while trials of the study run in other sweeps that are alive; whether there were any (they
+        ended, or their sweep went silent: this sweep then takes them over)."""
+        others = runner.running_elsewhere()
+        if not others:
+            return False
+        log.info(
+            f"{others} trial(s) of the study run in another sweep: waiting for them to end, or for that "
+            f"sweep's heartbeat to be silent for grace_period={self.grace_period:g} s"
+        )
+        while runner.running_elsewhere():
+            time.sleep(min(5.0, max(0.5, self.heartbeat_interval / 2)))
+        return True
+
     def _slots(self, runner: Trials, sweep_dir: Path) -> Slots:
         if runs_in_process(self.launcher):
             if self.n_jobs > 1:
@@ -146,12 +175,20 @@ class AsyncOptunaStudy:
                          f"not n_jobs={self.n_jobs} at once")  # fmt: skip
             return Slots(runner, LaunchOne(self.launcher), 1, self.max_retries)
         submitit = is_submitit(self.launcher)
-        run_one = SubmititJobs(self.launcher, sweep_dir) if submitit else LaunchOne(self.launcher)
+        run_one = (
+            SubmititJobs(self.launcher, sweep_dir, runner.record_job)
+            if submitit
+            else LaunchOne(self.launcher)
+        )
         log.info(f"Launching trials as {self.n_jobs} slots free, each trial a job of its own")
         return Slots(runner, run_one, self.n_jobs, self.max_retries)
 
-    def _sampler(self, space: dict[str, BaseDistribution]) -> optuna.samplers.BaseSampler:
+    def _sampler(self, space: dict[str, BaseDistribution], existing: int) -> optuna.samplers.BaseSampler:
+        """The configured sampler; a seeded one, for a study that has ``existing`` trials already, seeded
+        with ``seed + existing``: a resumed study does not draw its first trials' parameters again."""
         conf = OmegaConf.to_container(self.sampler_conf, resolve=True) if self.sampler_conf else {}
+        if conf.get("seed") is not None and existing:
+            conf["seed"] = int(conf["seed"]) + existing
         if conf.get("_target_") == "optuna.samplers.GridSampler":
             conf["search_space"] = {name: grid_choices(name, d) for name, d in space.items()}
             grid = math.prod(len(v) for v in conf["search_space"].values())
@@ -182,8 +219,9 @@ class AsyncOptunaStudy:
 def _settled_when_stopped(
     runner: Trials, slots: Slots | None, write_results: Callable[[], None]
 ) -> Iterator[None]:
-    """Ctrl-C, SIGTERM or an error while trials run: cancel the jobs of ``slots``, settle the trials still
-    running (:meth:`Trials.settle_open`), write the results, and raise (``SystemExit(130)`` for Ctrl-C)."""
+    """Ctrl-C, SIGTERM or an error while trials run: cancel the jobs of ``slots``, tell or leave to the next
+    sweep the trials still running (:meth:`Trials.settle_open`), write the results, and raise
+    (``SystemExit(130)`` for Ctrl-C)."""
     try:
         yield
     except BaseException as error:
@@ -193,8 +231,8 @@ def _settled_when_stopped(
             with slots.lock if slots is not None else contextlib.nullcontext():
                 runner.settle_open()
             write_results()
-        except Exception as settling:  # the storage is gone too: a resumed sweep settles them
-            log.error(f"the trials still running could not be told interrupted: {settling!r}")
+        except Exception as settling:  # the storage is gone too: the next sweep takes them over
+            log.error(f"the trials still running could not be marked interrupted: {settling!r}")
         if isinstance(error, KeyboardInterrupt) and slots is not None:
             raise SystemExit(130) from None
         raise
@@ -215,6 +253,14 @@ def _sigterm_as_exit() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _trials_in(storage: Any, study_name: str) -> int:
+    """How many trials the study ``study_name`` has in ``storage`` (0: there is no such study yet)."""
+    try:
+        return storage.get_n_trials(storage.get_study_id_from_name(study_name))
+    except KeyError:
+        return 0
 
 
 def _arguments(conf: Any) -> dict[str, Any]:
@@ -241,7 +287,11 @@ def _trials_table(study: optuna.Study, directions: list[str]) -> str:
         if t.state == TrialState.PRUNED:
             state = f"**pruned** at step {t.last_step}"
         elif t.user_attrs.get(INTERRUPTED):
-            state = "interrupted (not counted)"
+            state = (
+                "interrupted (the next sweep resumes it)"
+                if t.state == TrialState.RUNNING
+                else ("interrupted (not counted)")
+            )
         values = t.values or [None] * len(directions)
         cells = [str(t.number), state, *("" if v is None else f"{v:.6g}" for v in values)]
         cells += [str(t.params.get(n, "")) for n in names] + [str(t.user_attrs.get(JOB_DIR, ""))]

@@ -1,30 +1,30 @@
 """The trials of one ``distsync_optuna`` sweep: asked as slots free, told as their jobs end, and the trials
-a stopped sweep left behind.
+of sweeps that are gone, resumed.
 
 **Job numbers are trial numbers.** Trial #7 runs in the job directory ``<sweep dir>/7`` (with the default
 ``hydra.sweep.subdir``), so a resumed sweep, or two sweeps of one study sharing a sweep dir, never reuse a
-directory.
+directory, and a trial run again runs where its checkpoint is.
 
 **n_trials** counts the study's trials, whichever sweep ran them: those finished (completed, pruned,
 failed) and those running. A sweep asks for a trial while fewer than ``n_trials`` are, so two sweeps of one
-study reach ``n_trials`` together (up to the trials they ask at the same moment), and a resumed one
-finishes what the killed one started.
+study reach ``n_trials`` together (up to the trials they ask at the same moment), and a sweep ends only when
+no trial of the study runs in another sweep that is alive: when it ends, the study has its ``n_trials``.
 
-**A stopped sweep's running trials** (Ctrl-C, SIGTERM, or a sweep killed and resumed later) are settled
-from what their worlds recorded in the study (:mod:`distsync.tuning`): a trial whose rank 0 had returned
-its value is told complete with it, a trial its pruner had stopped is told pruned. Any other was
-interrupted: it is told failed, as Optuna fails a trial whose process died (``fail_stale_trials``), with
-the user attribute ``distsync_interrupted``, does not count toward ``n_trials``, and its parameters are
-queued again as a new trial, as Optuna's heartbeat retry callback queues them (the system attributes
-``failed_trial`` and ``retry_history``, which ``RetryHeartbeatStaleTrialCallback.retried_trial_number``
-reads): the next sweep of the study runs it first, from the start, in a job directory of its own.
+**A trial whose sweep is gone** (its heartbeat stopped: :mod:`._heartbeat`) is taken over by the next sweep
+of the study that sees it, under its own number: told complete if its rank 0 had recorded its value
+(:func:`distsync.tuning.report_result`), pruned if its pruner had stopped it, and otherwise resumed in its
+job directory, where the job goes on from its checkpoint. Where its job still runs (a SLURM job or a
+submitit local job outlives a sweep killed with SIGKILL), the new sweep waits for that job instead of
+starting another, so nothing it computed is lost and its result is never refused. A sweep stopped by Ctrl-C
+or SIGTERM stops the jobs it started (their ranks save a checkpoint) and leaves their trials running,
+marked ``distsync_interrupted``, to the next sweep, which resumes them at once.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
+import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,34 +36,36 @@ from optuna.distributions import BaseDistribution
 from optuna.trial import FrozenTrial, TrialState
 
 from distsync import tuning
+from hydra_plugins.distsync_optuna_sweeper._heartbeat import OWNER, owner, silent_for
 from hydra_plugins.distsync_optuna_sweeper._space import suggest
 
 log = logging.getLogger(__name__)
 
-INTERRUPTED = "distsync_interrupted"  # user attr of a trial whose sweep was stopped while it ran
-OWNER = "distsync_sweep"  # user attr: the host and pid of the sweep that asked the trial
+INTERRUPTED = "distsync_interrupted"  # user attr: its sweep was stopped while it ran (the next resumes it)
+JOB = "distsync_job"  # user attr: the job that runs the trial, as the launcher's slots name it
 JOB_DIR = "job_dir"  # user attr: the trial's job directory
-_BOOKKEEPING = (INTERRUPTED, OWNER, JOB_DIR, tuning.PRUNED_AT, tuning.RESULT)
 
 
 @dataclass
 class Counts:
     """The study's trials as ``n_trials`` counts them."""
 
-    finished: int  # completed, pruned or failed (not interrupted)
-    running: int  # by any sweep of the study that may still be alive
+    finished: int  # completed, pruned or failed (not the interrupted ones older releases failed)
+    running: int  # by any sweep, alive or to be resumed
 
 
 def counts(study: optuna.Study) -> Counts:
     trials = study.get_trials(deepcopy=False)
     done = (TrialState.COMPLETE, TrialState.PRUNED, TrialState.FAIL)
     finished = sum(t.state in done and not t.user_attrs.get(INTERRUPTED) for t in trials)
-    running = sum(t.state == TrialState.RUNNING and not _owner_is_gone(t) for t in trials)
+    running = sum(t.state == TrialState.RUNNING for t in trials)
     return Counts(finished, running)
 
 
 class Trials:
-    """The trials this sweep asks (``next_job``, as slots free) and tells (``finished``, ``lost``)."""
+    """The trials this sweep asks or resumes (``next_job``, as slots free) and tells (``finished``,
+    ``lost``); ``sweep_id`` is this sweep's heartbeat's, ``grace_period`` how long another sweep's heartbeat
+    may be silent before its trials are this sweep's."""
 
     def __init__(
         self,
@@ -75,30 +77,96 @@ class Trials:
         fixed: dict[str, str],
         sweep_dir: Path,
         n_trials: int,
+        sweep_id: str,
+        grace_period: float,
     ) -> None:
         self.study, self.storage, self.url, self.pruner = study, storage, url, pruner
         self.space, self.fixed = space, fixed
         self.sweep_dir, self.n_trials = sweep_dir, n_trials
+        self.sweep_id, self.grace_period = sweep_id, grace_period
+        self.study_id = storage.get_study_id_from_name(study.study_name)
         self.asked: dict[int, optuna.Trial] = {}  # by trial number, until told
         self.returns: list[JobReturn] = []
         self.relaunched: dict[int, int] = {}  # by trial number: how often its lost job was launched again
+        self.resumed: set[int] = set()  # the trials of gone sweeps this sweep took over
+        self.adopted_jobs: dict[int, str] = {}  # by trial number: the job a gone sweep left running it
 
     def next_job(self) -> tuple[int, list[str]] | None:
-        """The next trial's number and the overrides of its job, or None while the study has ``n_trials``
-        trials finished or running."""
+        """The next trial's number and the overrides of its job: a trial of a gone sweep first, else a new
+        one; None while the study has ``n_trials`` trials finished or running."""
+        resumed = self._take_over_one()
+        if resumed is not None:
+            return resumed
         now = counts(self.study)
         if now.finished + now.running >= self.n_trials:
             return None
-        trial = self.study.ask()  # a trial queued again after an interruption comes first
-        trial.set_user_attr(OWNER, f"{socket.gethostname()}:{os.getpid()}")
+        trial = self.study.ask()
+        trial.set_user_attr(OWNER, self.sweep_id)
         trial.set_user_attr(JOB_DIR, str((self.sweep_dir / str(trial.number)).resolve()))
         for name, distribution in self.space.items():
             suggest(trial, name, distribution)
         self.asked[trial.number] = trial
+        return trial.number, self._overrides(trial)
+
+    def _overrides(self, trial: optuna.Trial) -> list[str]:
         overrides = [f"{name}={value}" for name, value in {**trial.params, **self.fixed}.items()]
         trial_id = trial._trial_id  # noqa: SLF001  the storage's id of the trial, which the workers open
-        trial_env = tuning.job_overrides(self.url, self.study.study_name, trial_id, self.pruner)
-        return trial.number, [*overrides, *trial_env]
+        return [*overrides, *tuning.job_overrides(self.url, self.study.study_name, trial_id, self.pruner)]
+
+    def _gone(self, beats: dict[str, Any], now: float) -> list[FrozenTrial]:
+        """The study's running trials whose distsync sweep is gone (silent past the grace period), from the
+        study's system attributes ``beats`` at time ``now``."""
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        return [
+            t
+            for t in running
+            if owner(t) != self.sweep_id and (silent_for(t, beats, now) or 0.0) > self.grace_period
+        ]
+
+    def _take_over_one(self) -> tuple[int, list[str]] | None:
+        """Take over the trials of gone sweeps: each told as its world recorded, or the first to resume
+        returned (its number and overrides; :attr:`adopted_jobs` has its job if it may still run)."""
+        beats, now = self.storage.get_study_system_attrs(self.study_id), time.time()
+        for frozen in self._gone(beats, now):
+            if settle_as_recorded(self.study, frozen, "its sweep was gone"):
+                continue
+            trial_id = frozen._trial_id  # noqa: SLF001
+            self.storage.set_trial_user_attr(trial_id, OWNER, self.sweep_id)
+            if owner(self.storage.get_trial(trial_id)) != self.sweep_id:
+                continue  # another sweep took it over at the same moment, and wrote after this one
+            self.storage.set_trial_user_attr(trial_id, INTERRUPTED, False)
+            trial = optuna.Trial(self.study, trial_id)
+            self.asked[frozen.number] = trial
+            self.resumed.add(frozen.number)
+            job = frozen.user_attrs.get(JOB)
+            if job:
+                self.adopted_jobs[frozen.number] = str(job)
+            silent = silent_for(frozen, beats, now) or 0.0
+            why = "it ended" if math.isinf(silent) else f"its heartbeat silent for {silent:.1f} s"
+            log.info(
+                f"trial #{frozen.number}: its sweep is gone ({why}); this sweep resumes it in its job dir"
+                + (f" (its job {job} first, while it runs)" if job else "")
+            )
+            return frozen.number, self._overrides(trial)
+        return None
+
+    def running_elsewhere(self) -> int:
+        """How many of the study's trials run in other distsync sweeps that are alive."""
+        beats = self.storage.get_study_system_attrs(self.study_id)
+        now = time.time()
+        running = self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        return sum(
+            owner(t) not in (None, self.sweep_id) and (silent_for(t, beats, now) or 0.0) <= self.grace_period
+            for t in running
+        )
+
+    def jobs_left(self) -> int:
+        """How many more trials this sweep may run: ``n_trials`` less those finished or alive elsewhere."""
+        return max(1, self.n_trials - counts(self.study).finished - self.running_elsewhere())
+
+    def record_job(self, number: int, job: str) -> None:
+        """Trial ``number`` runs in ``job``: a sweep that takes it over waits for that job while it runs."""
+        self.storage.set_trial_user_attr(self.asked[number]._trial_id, JOB, job)  # noqa: SLF001
 
     def finished(self, number: int, ret: JobReturn) -> None:
         """Tell the study how trial ``number``'s job ended."""
@@ -127,6 +195,8 @@ class Trials:
             record["pruned_at_step"] = pruned_at
         if self.relaunched.get(number):
             record["relaunched"] = self.relaunched[number]
+        if number in self.resumed:
+            record["resumed_from_a_gone_sweep"] = True
         _write_record(job_dir, record)
 
     def lost(self, number: int, error: BaseException, retry: bool) -> bool:
@@ -155,13 +225,18 @@ class Trials:
         return False
 
     def settle_open(self) -> None:
-        """The trials this sweep asked and was not told about (it was stopped): settled from what their
-        worlds recorded (see the module docstring)."""
-        open_numbers = set(self.asked)
+        """The trials this sweep runs and was not told about (it is being stopped): told as their worlds
+        recorded, or left running, marked interrupted, for the next sweep of the study to resume."""
+        for number, trial in sorted(self.asked.items()):
+            frozen = self.storage.get_trial(trial._trial_id)  # noqa: SLF001
+            if frozen.state != TrialState.RUNNING or settle_as_recorded(
+                self.study, frozen, "the sweep stopped"
+            ):
+                continue
+            self.storage.set_trial_user_attr(frozen._trial_id, INTERRUPTED, True)  # noqa: SLF001
+            log.info(f"trial #{number} was running when the sweep stopped: the next sweep of the study "
+                     "resumes it in its job dir")  # fmt: skip
         self.asked.clear()
-        for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if trial.number in open_numbers:
-                settle(self.study, self.storage, trial, "the sweep was stopped")
 
 
 def returned_values(returned: Any, objectives: int) -> list[float]:
@@ -180,16 +255,9 @@ def returned_values(returned: Any, objectives: int) -> list[float]:
     return values
 
 
-def settle_stale(study: optuna.Study, storage: Any) -> None:
-    """The trials left running by sweeps of this host that are gone (killed): settled."""
-    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if _owner_is_gone(trial):
-            settle(study, storage, trial, "its sweep was killed")
-
-
-def settle(study: optuna.Study, storage: Any, trial: FrozenTrial, why: str) -> None:
-    """Tell ``trial``, which ran when its sweep stopped, complete (its rank 0 had recorded its value),
-    pruned (its pruner had stopped it) or failed as interrupted, its parameters queued again."""
+def settle_as_recorded(study: optuna.Study, trial: FrozenTrial, why: str) -> bool:
+    """Tell ``trial``, still running when ``why``, as its world recorded it: complete (its rank 0 had
+    returned its value), pruned (its pruner had stopped it); False if it recorded neither."""
     attrs = trial.user_attrs
     record: dict[str, Any] = {"number": trial.number, "params": trial.params}
     values = None
@@ -207,60 +275,18 @@ def settle(study: optuna.Study, storage: Any, trial: FrozenTrial, why: str) -> N
         record.update(state="COMPLETE", values=values)
         log.info(f"trial #{trial.number} had returned {values} when {why}: complete")
     else:
-        storage.set_trial_user_attr(trial._trial_id, INTERRUPTED, True)  # noqa: SLF001
-        _tell(study, trial.number, TrialState.FAIL, None)
-        retry = _queue_again(study, storage, trial)
-        record.update(state="FAIL", values=None, interrupted=True, retried_as=retry)
-        log.info(
-            f"trial #{trial.number} was running when {why}: interrupted (failed, not counted); its "
-            f"parameters are queued again as trial #{retry}"
-        )
+        return False
     if attrs.get(JOB_DIR):
         _write_record(Path(attrs[JOB_DIR]), record)
-
-
-def _queue_again(study: optuna.Study, storage: Any, trial: FrozenTrial) -> int:
-    """A waiting copy of ``trial`` (its parameters, its user attributes but distsync's), marked as Optuna's
-    heartbeat retry marks one (``study.add_trial``, by the storage: its number is known); its number."""
-    system_attrs: dict[str, Any] = {"failed_trial": trial.number, "retry_history": [], **trial.system_attrs}
-    system_attrs["retry_history"] = [*system_attrs["retry_history"], trial.number]
-    waiting = optuna.create_trial(
-        state=TrialState.WAITING,
-        params=trial.params,
-        distributions=trial.distributions,
-        user_attrs={k: v for k, v in trial.user_attrs.items() if k not in _BOOKKEEPING},
-        system_attrs=system_attrs,
-    )
-    study_id = storage.get_study_id_from_name(study.study_name)
-    trial_id = storage.create_new_trial(study_id, template_trial=waiting)
-    return storage.get_trial_number_from_id(trial_id)
+    return True
 
 
 def _tell(study: optuna.Study, number: int, state: TrialState, values: list[float] | None) -> None:
-    try:
-        study.tell(number, values=values, state=state)
+    try:  # a trial another sweep told meanwhile (both took it over) is left as told
+        study.tell(number, values=values, state=state, skip_if_finished=True)
     except RuntimeError as error:  # the grid sampler stops the study once its grid is done
         if "Study.stop" not in str(error):
             raise
-
-
-def _owner_is_gone(trial: FrozenTrial) -> bool:
-    """Whether the sweep that asked ``trial`` ran on this host and is gone (another host's: not known)."""
-    owner = str(trial.user_attrs.get(OWNER, ""))
-    host, _, pid = owner.rpartition(":")
-    return host == socket.gethostname() and pid.isdigit() and not _alive(int(pid))
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _job_dir(ret: JobReturn) -> Path | None:

@@ -4,7 +4,8 @@
 The keys are those of Hydra's Optuna sweeper (``params`` with ``interval(...)``, ``choice(...)``,
 ``range(...)``, ``tag(log, ...)``; ``direction``, ``n_trials``, ``n_jobs``, ``sampler``, ``storage``,
 ``study_name``, ``max_failure_rate``), so a config written for it runs with the one line
-``override hydra/sweeper: distsync_optuna``. Added: ``pruner``, ``max_retries``.
+``override hydra/sweeper: distsync_optuna``. Added: ``pruner``, ``max_retries``, and Optuna's own
+``heartbeat_interval`` and ``grace_period``.
 """
 
 # No ``from __future__ import annotations``: Hydra imports plugins outside ``sys.modules``, where dataclasses
@@ -58,6 +59,10 @@ class DistsyncOptunaSweeperConf:
     n_jobs: int = 2  # trials running at once, each on a slot of the launcher (hydra.launcher.n_jobs)
     max_failure_rate: float = 0.0  # above this share of failed trials, the sweep exits non-zero at its end
     max_retries: int = 2  # a trial whose job ended without a result (cancelled, preempted) is launched again
+    # Optuna's names: a sweep writes its heartbeat into the study every heartbeat_interval seconds; the trials
+    # of a sweep silent for grace_period (default: twice that) are taken over by the next sweep of the study
+    heartbeat_interval: float = 30.0
+    grace_period: Optional[float] = None  # noqa: UP045
     params: Optional[dict[str, str]] = None  # noqa: UP045
     custom_search_space: Optional[str] = None  # noqa: UP045  (Hydra's: not supported, refused)
 

@@ -17,14 +17,16 @@ the configured pruner, every rank gets the answer).
 
 Trials that fail are told as failed and the study goes on; at the end the sweep exits non-zero if more than
 ``max_failure_rate`` of them failed. ``n_trials`` counts the study's trials, every sweep's: a sweep asks for
-one while fewer than ``n_trials`` are finished (completed, pruned, failed) or running, so a resumed sweep
-finishes the study and two sweeps of one study share the count. Trial #N runs in job directory N. The trials
-a stopped sweep leaves running (Ctrl-C, SIGTERM, or killed and resumed) count as finished if their rank 0
-had returned its value, else as interrupted: failed, not counted, and queued again (:mod:`._trials`); on
-Ctrl-C or SIGTERM the sweep first cancels the submitit jobs it submitted. The sweep dir gets
-``optimization_results.yaml`` (as Hydra's Optuna sweeper writes it), ``optuna_trials.md`` (every trial:
-state, values, parameters, job dir; pruned and interrupted ones marked) and, in each job dir,
-``trial.yaml``.
+one while fewer than ``n_trials`` are finished (completed, pruned, failed) or running, and ends only when no
+trial of the study runs in another live sweep, so a resumed sweep finishes the study and two sweeps of one
+study share the count. Trial #N runs in job directory N. Every sweep writes a heartbeat into the study
+(``heartbeat_interval``, ``grace_period``: Optuna's names); the trials of a sweep that stopped (Ctrl-C,
+SIGTERM: it cancels the jobs it submitted first) or went silent (SIGKILL, its node lost) are taken over by
+the next sweep of the study under their own numbers: told as their worlds recorded, or resumed in their job
+directories, waiting first for a job the gone sweep left running (:mod:`._trials`, :mod:`._heartbeat`).
+The sweep dir gets ``optimization_results.yaml`` (as Hydra's Optuna sweeper writes it),
+``optuna_trials.md`` (every trial: state, values, parameters, job dir; pruned and interrupted ones marked)
+and, in each job dir, ``trial.yaml``.
 
 Hydra imports this module on every run of every app (its plugin scan), so it imports no Optuna: the study
 (``_study.py``) is imported when the sweeper is chosen, and Optuna older than 4 is refused there by name.
