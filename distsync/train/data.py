@@ -1,7 +1,16 @@
-"""Datasets that need no download, and resumable per-rank batches over a ``DistributedSampler``."""
+"""Datasets that need no download, and resumable per-rank batches over a ``DistributedSampler``.
+
+The training loop (:meth:`distsync.train.trainer.Trainer.fit`) asks its batch source for *stretches*: the
+steps a rank takes between two points where every rank meets. Within a stretch the job makes no collective
+of its own (the model's, DDP's and the synchronized layers' still run), so its logs, evaluations and
+checkpoints wait for the stretch's end, where the ranks agree on the step they reached (``agree``). The
+map-style sources here give stretches of one step each, and agreeing costs nothing; a stream gives one
+stretch per pass, under DDP's ``Join`` (:mod:`distsync.train.streaming`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from collections.abc import Iterator
@@ -12,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from distsync.train.config import ConfigError, DataConfig
-from distsync.train.stretch import Stretch, one_step_stretches
+from distsync.train.streaming import Stretch
 from distsync.train.targets import instantiate
 
 __all__ = [
@@ -122,9 +131,14 @@ class _Position:
         self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
 
     def stretches(self, model) -> Iterator[Stretch]:
-        return one_step_stretches(iter(self))
+        """Endless stretches of one step each; ``model`` is the module they call (DDP on several ranks)."""
+        batches = iter(self)
+        while True:
+            yield Stretch(contextlib.nullcontext(), iter([batches]))  # the step draws what it needs
 
     def agree(self, start: int, step: int, losses: list[tuple[int, Tensor]], keep: int) -> tuple[int, dict]:
+        """At a stretch's end, begun at ``start``, this rank at ``step`` with its ``(step, loss)`` pairs: the
+        step every rank is at now, and the loss to remember for each of the last ``keep`` steps."""
         return step, dict(losses)  # every rank took this step: nothing to agree on, no collective
 
 

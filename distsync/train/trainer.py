@@ -38,7 +38,7 @@ from distsync.train.logs import console_quiet, init_logger
 from distsync.train.metrics import MetricsLog, plot_curves, write_json_atomic
 from distsync.train.model import all_norms_synced, build_model
 from distsync.train.optim import build_optimizer, build_scheduler
-from distsync.train.state import resume_training, save_training_state
+from distsync.train.resume import resume_training, save_training_state
 from distsync.train.streaming import StreamBatches, check_streaming, first_input, is_stream
 from distsync.train.targets import instantiate
 from distsync.tuning import report_result
@@ -207,7 +207,7 @@ class Trainer:
 
     def _train(self, bar) -> None:
         """The training loop: stretches of steps from the batch source (one step each for a map-style
-        dataset; a pass under DDP's ``Join`` for a stream, see :mod:`~distsync.train.stretch`), and at each
+        dataset; a pass under DDP's ``Join`` for a stream, see :mod:`~distsync.train.data`), and at each
         stretch's end the logs, evaluation and checkpoint that fell due within it."""
         t = self.cfg.trainer
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # sum of losses, count
