@@ -26,7 +26,13 @@ from torch.nn.parallel import DistributedDataParallel
 import distsync
 from distsync.distributed import get_rank, get_world_size, is_distributed, no_buffer_broadcast
 from distsync.launching.worker import NonRetryableError
-from distsync.train.build import building
+from distsync.train.build import (
+    all_norms_synced,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    building,
+)
 from distsync.train.checkpoint import remove_stale_temporaries
 from distsync.train.collectives import all_gather_object, all_reduce
 from distsync.train.config import TrainConfig
@@ -36,8 +42,6 @@ from distsync.train.grad_comm import CommSetup
 from distsync.train.interrupt import StopRequests
 from distsync.train.logs import console_quiet, init_logger
 from distsync.train.metrics import MetricsLog, plot_curves, write_json_atomic
-from distsync.train.model import all_norms_synced, build_model
-from distsync.train.optim import build_optimizer, build_scheduler
 from distsync.train.resume import resume_training, save_training_state
 from distsync.train.streaming import StreamBatches, check_streaming, first_input, is_stream
 from distsync.train.targets import instantiate
@@ -95,7 +99,7 @@ class Trainer:
         self.seconds_before = 0.0  # of the attempts up to the checkpoint resumed from
         self.training_since: float | None = None  # when this attempt's first step began
         self.stop = StopRequests()  # Ctrl-C/SIGTERM while training: a checkpoint at the next logging step
-        local_states = self._resume()
+        local_states = resume_training(self)
         self.ddp = self._wrap_ddp()
         self.forward = torch.compile(self.ddp) if t.compile else self.ddp
         if local_states is not None:  # after DDP's constructor, which copies rank 0's parameters everywhere
@@ -177,9 +181,6 @@ class Trainer:
         self.comm.register_hook(ddp, self.step)
         return ddp
 
-    def _resume(self) -> dict | None:
-        return resume_training(self)
-
     # ---------------------------------------------------------------------------------------- training
 
     def fit(self) -> dict:
@@ -251,12 +252,12 @@ class Trainer:
             stopping = self._log_train(loss_sum, bar)  # the mean loss of the steps since the last log
             loss_sum.zero_()
             if stopping:  # some rank got Ctrl-C or SIGTERM: every rank saves this step, then ends
-                self._checkpoint()
+                save_training_state(self)
                 self.stop.end(step, self.log)
         if evaluate and self.pruned(self._evaluate()):
             return
         if checkpoint:
-            self._checkpoint()
+            save_training_state(self)
 
     def _train_step(self, batches) -> torch.Tensor:
         """One optimizer step over ``trainer.grad_accum_steps`` micro-batches; returns the mean loss."""
@@ -342,13 +343,7 @@ class Trainer:
         per rank, drawn apart from the training order (which a resumed run must see unchanged)."""
         t = self.cfg.trainer
         batches = itertools.islice(iter(self._training_batches(t.seed + 1 + self.step)), t.precise_bn_batches)
-        memory_format = torch.channels_last if t.channels_last else torch.contiguous_format
-        inputs = (
-            x.to(self.device).contiguous(
-                memory_format=memory_format if x.dim() == 4 else torch.contiguous_format
-            )
-            for x, _ in batches
-        )
+        inputs = (self._laid_out(x.to(self.device)) for x, _ in batches)
         with self.autocast():
             distsync.update_bn(inputs, self.model)
 
@@ -359,9 +354,6 @@ class Trainer:
         all_reduce(recent)
         steps = [s % FINAL_LOSS_STEPS for s in range(max(1, self.step - FINAL_LOSS_STEPS + 1), self.step + 1)]
         return recent[steps].mean().item() / self.world_size if steps else math.nan
-
-    def _checkpoint(self) -> None:
-        save_training_state(self)
 
     def _finish(self) -> dict:
         held_out = self._evaluate()
