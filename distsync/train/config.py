@@ -20,6 +20,7 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
 METRICS = ("accuracy", "final_loss", "eval_loss")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+BACKENDS = ("auto", "gloo", "nccl")  # the job runs on CPUs with gloo or on one GPU per process with nccl
 
 
 def _node(key: str, node) -> None:
@@ -220,6 +221,7 @@ class TrainerConfig:
         _at_least("trainer", self, log_every=1, eval_every=1, precise_bn_batches=0, grad_accum_steps=1)
         _at_least("trainer", self, grad_clip=0, powersgd_rank=1, local_sgd_period=0, local_sgd_warmup=1)
         _at_least("trainer", self, strict=True, timeout_s=0, monitor_interval=0)
+        _one_of("trainer.backend", self.backend, BACKENDS)
         _one_of("trainer.metric", self.metric, METRICS)
         _one_of("trainer.comm_hook", self.comm_hook, COMM_HOOKS)
         _one_of("trainer.precision", self.precision, PRECISIONS)

@@ -350,18 +350,22 @@ def _run_in_this_worker(cfg: TrainConfig, run_dir: str) -> dict:
     """Train in this torchrun worker; rank 0 says how to resume, at the start and when stopped."""
     from distsync.train.rank_process import run
 
-    resume = resume_command(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None
+    with _saying_how_to_resume(run_dir, int(os.environ.get("RANK", "0")) == 0):
+        return run(cfg, run_dir)
+
+
+@contextlib.contextmanager
+def _saying_how_to_resume(run_dir: str, enabled: bool):
+    """Print the command that resumes this job (:func:`resume_command`) now, and again if stopped."""
+    resume = resume_command(run_dir) if enabled else None
     if resume:
         _say(f"run directory {run_dir}; after an interruption, resume it with: {resume}")
     try:
-        return run(cfg, run_dir)
+        yield
     except SystemExit:  # stopped by Ctrl-C or SIGTERM, after saving its steps
         if resume:
             _say(f"to resume: {resume}")
         raise
-
-
-_BACKENDS = ("auto", "gloo", "nccl")
 
 
 def _check_environment(cfg: TrainConfig) -> None:
@@ -379,11 +383,6 @@ def _check_environment(cfg: TrainConfig) -> None:
         raise ConfigError("trainer.precision=fp16 needs CUDA (its gradient scaler); use bf16 on the CPU")
     if cfg.trainer.comm_hook == "bf16" and world > 1 and not torch.cuda.is_available():
         raise ConfigError("trainer.comm_hook=bf16 needs CUDA with NCCL 2.10+; use fp16 or powersgd on CPU")
-    if cfg.trainer.backend not in _BACKENDS:
-        raise ConfigError(
-            f"trainer.backend must be one of {', '.join(_BACKENDS)} (got {cfg.trainer.backend!r}): the job "
-            "runs on CPUs with gloo or on one GPU per process with nccl"
-        )
     if cfg.trainer.backend == "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus == 0:
@@ -432,21 +431,15 @@ def launch(cfg: TrainConfig, run_dir: str) -> dict:
     except ValueError as error:
         _refuse_early(str(error), error)
     lock = _lock_for_workers(cfg, run_dir)
-    resume = resume_command(run_dir) if os.environ.get("SLURM_PROCID", "0") == "0" else None  # once a step
-    if resume:
-        _say(f"run directory {run_dir}; after an interruption, resume it with: {resume}")
     try:
-        return elastic_launch(
-            functools.partial(run, run_dir=os.path.abspath(run_dir)), cfg, role="distsync", **options
-        )
+        with _saying_how_to_resume(run_dir, os.environ.get("SLURM_PROCID", "0") == "0"):  # once a step
+            return elastic_launch(
+                functools.partial(run, run_dir=os.path.abspath(run_dir)), cfg, role="distsync", **options
+            )
     except LaunchError as error:
         _fail(f"training failed: {error}", error)
     except ValueError as error:  # a rendezvous setting torchrun cannot use
         _refuse_early(str(error), error)
-    except SystemExit:  # stopped by Ctrl-C or SIGTERM
-        if resume:
-            _say(f"to resume: {resume}")
-        raise
     finally:
         if lock is not None:
             lock.release()
