@@ -36,7 +36,7 @@ from distsync.train.build import (
 from distsync.train.checkpoint import remove_stale_temporaries
 from distsync.train.collectives import all_gather_object, all_reduce
 from distsync.train.config import TrainConfig
-from distsync.train.data import LoaderBatches, ShardedBatches, build_datasets, load_data
+from distsync.train.data import LoaderBatches, build_datasets
 from distsync.train.evaluation import bn_buffers_in_sync, evaluate
 from distsync.train.grad_comm import CommSetup
 from distsync.train.interrupt import StopRequests
@@ -76,6 +76,8 @@ class Trainer:
         self.cfg, self.run_dir, self.device, self.started = cfg, run_dir, device, started
         workers = cfg.data.num_workers
         self.loader_workers = min(MAX_LOADER_WORKERS, cores_per_rank - 1) if workers is None else workers
+        if not cfg.data.train:
+            self.loader_workers = 0  # the built-in tensors need no loader processes
         self.rank, self.world_size = get_rank(), get_world_size()
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.log = init_logger(run_dir, self.rank)
@@ -144,30 +146,22 @@ class Trainer:
             ) from failure
 
     def _load_data(self, cfg: TrainConfig) -> None:
-        """Training batches and held-out data: the built-in tensors, or the ``data.train/test`` datasets."""
-        if not cfg.data.train:
-            self.train, self.test, self.num_classes = load_data(cfg.data)
-            self.in_channels = self.train[0].shape[1]
-        else:
-            self.train, self.test = build_datasets(cfg.data)
-            self.num_classes = cfg.data.num_classes
-            self.in_channels = None if cfg.model.factory else first_input(self.train).shape[0]
+        """Training batches and held-out data: the built-in data, or the ``data.train/test`` datasets."""
+        self.train, self.test, self.num_classes = build_datasets(cfg.data)
+        builtin_or_cnn = not cfg.data.train or not cfg.model.factory
+        self.in_channels = first_input(self.train).shape[0] if builtin_or_cnn else None
         self.batches = self._training_batches(cfg.trainer.seed)
 
-    def _training_batches(self, seed: int) -> ShardedBatches | LoaderBatches | StreamBatches:
+    def _training_batches(self, seed: int) -> LoaderBatches | StreamBatches:
         """This rank's endless training batches, shuffled with ``seed`` (a stream's: one pass)."""
         d = self.cfg.data
-        if not d.train:
-            return ShardedBatches(self.train, d.batch_size, self.rank, self.world_size, seed)
-        pin_memory = self.device.type == "cuda"
-        workers = self.loader_workers
         if is_stream(self.train):  # see distsync.train.streaming
             check_streaming(self.cfg)
             # A stream splits itself among loader workers only if it is written to: none unless asked.
-            workers = d.num_workers or 0
-            return StreamBatches(self.train, d.batch_size, workers, device=self.device)
+            return StreamBatches(self.train, d.batch_size, d.num_workers or 0, device=self.device)
+        pin_memory = self.device.type == "cuda"
         return LoaderBatches(
-            self.train, d.batch_size, self.rank, self.world_size, seed, workers, pin_memory=pin_memory
+            self.train, d.batch_size, self.rank, self.world_size, seed, self.loader_workers, pin_memory
         )
 
     def _wrap_ddp(self) -> torch.nn.Module:
