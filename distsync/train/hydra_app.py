@@ -207,20 +207,17 @@ def _override_error(argv: list[str]) -> str | None:
     directory. For a ``-m`` sweep each value of each listed or ranged sweep is composed (Hydra would
     compose it only when its job comes up, and a failure there ends the whole sweep); values that
     compose but fail the job's own checks fail that job alone. Other configs (``--config-path``,
-    ``--config-dir``, ``--config-name``) are left to Hydra, and so is everything under
-    ``HYDRA_FULL_ERROR=1``.
+    ``--config-dir``, ``--config-name``), and every other option (``--help``, ``--cfg`` ...), are left to
+    Hydra, and so is everything under ``HYDRA_FULL_ERROR=1``.
     """
-    from hydra._internal.utils import get_args_parser  # the parser @hydra.main itself uses
-
-    args, _ = get_args_parser().parse_known_args(argv[1:])
-    options = (args.help, args.hydra_help, args.cfg, args.info, args.shell_completion)
-    other_configs = args.config_path or args.config_dir or args.config_name
-    if any(options) or other_configs or os.environ.get("HYDRA_FULL_ERROR") == "1":
+    options = {arg for arg in argv[1:] if arg.startswith("-")}
+    if options - {"-m", "--multirun"} or os.environ.get("HYDRA_FULL_ERROR") == "1":
         return None
-    if not args.multirun:
-        return _composition_error(list(args.overrides), check_values=True)
-    for overrides in _one_value_per_sweep(list(args.overrides)):
-        error = _composition_error(overrides, check_values=False)
+    overrides = [arg for arg in argv[1:] if not arg.startswith("-")]
+    if not options:
+        return _composition_error(overrides, check_values=True)
+    for one_value in _one_value_per_sweep(overrides):
+        error = _composition_error(one_value, check_values=False)
         if error:
             return error
     return None
