@@ -50,7 +50,6 @@ from distsync.train.rundir import (
 from distsync.train.targets import check_targets
 
 __all__ = [
-    "register_configs",
     "to_train_config",
     "prepare_argv",
     "default_run_dir",
@@ -60,15 +59,8 @@ __all__ = [
     "main",
 ]
 
-_SCHEMA = "train_schema"
-
-
-def register_configs() -> None:
-    """Register :class:`TrainConfig` as ``train_schema``, the first entry of ``conf/config.yaml``."""
-    ConfigStore.instance().store(name=_SCHEMA, node=TrainConfig)
-
-
-register_configs()
+# The schema of conf/config.yaml (its first defaults entry): the dataclasses hold every default and check.
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 def under_torchrun() -> bool:
