@@ -1,7 +1,9 @@
 """The Hydra side of training: config registration, the task function body and elastic launches.
 
-This is the only ``distsync`` module that imports Hydra or OmegaConf. It turns the composed ``DictConfig``
-into a plain :class:`~distsync.train.config.TrainConfig` and then either
+With the sweep summary's callback (:mod:`~distsync.train.sweep`) and the workers' call of
+``hydra.utils.instantiate`` (:mod:`~distsync.train.targets`), the job's only use of Hydra and OmegaConf.
+It turns the composed ``DictConfig`` into a plain :class:`~distsync.train.config.TrainConfig` and then
+either
 
 * starts a torchrun world of ``trainer.nproc_per_node`` workers with
   :func:`torch.distributed.launcher.api.elastic_launch` (a plain ``python launch/train.py``, every job of a
