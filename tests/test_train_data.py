@@ -7,6 +7,7 @@ import sys
 
 import torch
 from launching import run_job
+from torch.utils.data import TensorDataset
 
 from distsync.train import DataConfig
 from distsync.train import data as train_data
@@ -17,7 +18,7 @@ from distsync.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from distsync.train.data import ShardedBatches, load_data, shard_indices
+from distsync.train.data import LoaderBatches, load_data, shard_indices
 
 
 def test_digits_split_is_deterministic_and_stratified():
@@ -64,18 +65,18 @@ def test_synthetic_data():
 
 
 def test_shards_are_disjoint_and_resume_exactly():
-    data = load_data(DataConfig())[0]
+    data = TensorDataset(*load_data(DataConfig())[0])  # the built-in data, as the job batches it
     world = 2
-    shards = [ShardedBatches(data, 16, r, world, seed=3) for r in range(world)]
+    shards = [LoaderBatches(data, 16, r, world, seed=3) for r in range(world)]
     first = [next(iter(s))[1] for s in shards]
     assert first[0].shape == (16,)
-    reference = ShardedBatches(data, 16, 0, world, seed=3)
+    reference = LoaderBatches(data, 16, 0, world, seed=3)
     expected = [y for _, y in itertools.islice(iter(reference), 2 * reference.batches_per_epoch + 5)]
-    resumed = ShardedBatches(data, 16, 0, world, seed=3)
+    resumed = LoaderBatches(data, 16, 0, world, seed=3)
     consumed = list(itertools.islice(iter(resumed), reference.batches_per_epoch + 3))
     state = resumed.state_dict()
     assert state == {"epoch": 1, "batch": 3}
-    fresh = ShardedBatches(data, 16, 0, world, seed=3)
+    fresh = LoaderBatches(data, 16, 0, world, seed=3)
     fresh.load_state_dict(state)
     rest = [y for _, y in itertools.islice(iter(fresh), len(expected) - len(consumed))]
     assert all(torch.equal(a, b) for a, b in zip(expected, [y for _, y in consumed] + rest, strict=True))

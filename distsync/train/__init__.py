@@ -4,6 +4,7 @@ The package has no Hydra dependency except :mod:`distsync.train.hydra_app`, whic
 schema and starts the elastic launches; :func:`run` is the worker every rank executes.
 """
 
+from distsync.train.build import SmallCNN, build_model
 from distsync.train.config import (
     ConfigError,
     DataConfig,
@@ -12,7 +13,6 @@ from distsync.train.config import (
     TrainConfig,
     TrainerConfig,
 )
-from distsync.train.model import SmallCNN, build_model
 from distsync.train.rank_process import run
 
 __all__ = [

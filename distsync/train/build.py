@@ -1,4 +1,5 @@
-"""The job's pieces built from its config, with errors that name the config key they come from.
+"""The job's pieces from its config: the model, the optimizer and the learning-rate schedule, and the
+check that builds them all once before any worker starts.
 
 Building the datasets, the model, the loss, the optimizer and the schedule fails the same way on every
 rank and on every attempt when the config is wrong: a factory that raises, a keyword a ``**kwargs``
@@ -11,20 +12,126 @@ same messages, for the errors that only show there.
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Iterator
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
-from distsync.train.config import ConfigError, TrainConfig
+import distsync
+from distsync.train.config import ConfigError, ModelConfig, TrainConfig
 from distsync.train.data import batches_per_epoch, load_data
-from distsync.train.model import build_model
-from distsync.train.optim import build_optimizer, build_scheduler
 from distsync.train.streaming import first_input
 from distsync.train.targets import TARGET, instantiate
 
-__all__ = ["building", "check_buildable", "check_builtin_data"]
+__all__ = [
+    "SmallCNN",
+    "build_model",
+    "all_norms_synced",
+    "batch_norms",
+    "build_optimizer",
+    "build_scheduler",
+    "building",
+    "check_buildable",
+    "check_builtin_data",
+]
+
+
+class SmallCNN(nn.Module):
+    """Conv-BN-ReLU blocks (a 2x2 max pool before every block but the first), global pooling, a classifier.
+
+    Args:
+        in_channels: channels of the input images
+        num_classes: number of output logits
+        channels: output channels of each block. Default: ``(32, 64, 64)``
+        dropout: dropout before the classifier. Default: 0
+    """
+
+    def __init__(
+        self, in_channels: int, num_classes: int, channels=(32, 64, 64), dropout: float = 0.0
+    ) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = in_channels
+        for i, out in enumerate(channels):
+            if i > 0:
+                layers.append(nn.MaxPool2d(2, ceil_mode=True))
+            layers += [
+                nn.Conv2d(width, out, 3, padding=1, bias=False),
+                nn.BatchNorm2d(out),
+                nn.ReLU(inplace=True),
+            ]
+            width = out
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(dropout), nn.Linear(width, num_classes)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.features(x))
+
+
+def build_model(cfg: ModelConfig, in_channels: int, num_classes: int) -> nn.Module:
+    """The model of ``model.factory`` (else a :class:`SmallCNN`) whose batch norms are DistSyncBatchNorm
+    (``sync``), per-rank ``nn.BatchNorm*`` (``local``) or ``nn.SyncBatchNorm`` (``torch``)."""
+    if cfg.factory:
+        model = instantiate(cfg.factory)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"it returned {type(model).__name__}, not an nn.Module")
+    else:
+        model = SmallCNN(in_channels, num_classes, tuple(cfg.channels), cfg.dropout)
+    if cfg.norm == "sync":
+        return distsync.convert_sync_batchnorm(model)
+    if cfg.norm == "torch":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return model
+
+
+def batch_norms(model: nn.Module) -> list[_BatchNorm]:
+    """Every batch-norm layer of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, _BatchNorm)]
+
+
+def all_norms_synced(model: nn.Module) -> bool:
+    """True when every batch norm synchronizes its statistics, so DDP need not broadcast buffers."""
+    return all(isinstance(m, (distsync.DistSyncBatchNorm, nn.SyncBatchNorm)) for m in batch_norms(model))
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """``optim.factory`` (given ``optim.lr`` unless it sets ``lr``), else AdamW or SGD (Nesterov momentum)."""
+    o = cfg.optim
+    if o.factory:
+        return instantiate(o.factory, model.parameters(), **({} if "lr" in o.factory else {"lr": o.lr}))
+    if o.name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+    return torch.optim.SGD(
+        model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, nesterov=o.momentum > 0
+    )
+
+
+def build_scheduler(
+    cfg: TrainConfig, optimizer: torch.optim.Optimizer
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """``optim.scheduler``, else linear warm-up then constant or cosine decay over ``trainer.max_steps``."""
+    if cfg.optim.scheduler:
+        return instantiate(cfg.optim.scheduler, optimizer)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_then(cfg))
+
+
+def _warmup_then(cfg: TrainConfig) -> Callable[[int], float]:
+    warmup, total, cosine = cfg.optim.warmup_steps, cfg.trainer.max_steps, cfg.optim.schedule == "cosine"
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if not cosine:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
 
 
 @contextlib.contextmanager

@@ -98,14 +98,6 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _load_complete(path: Path) -> dict:
-    state = load_checkpoint(path)
-    missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
-    if missing:
-        raise ValueError(f"not a distsync checkpoint (missing {', '.join(missing)})")
-    return state
-
-
 def load_newest_checkpoint(
     run_dir: str | os.PathLike, log: logging.Logger | None = None
 ) -> tuple[Path, dict] | None:
@@ -119,7 +111,11 @@ def load_newest_checkpoint(
     """
     for path in reversed(_checkpoints(checkpoint_dir(run_dir))):
         try:
-            return path, _load_complete(path)
+            state = load_checkpoint(path)
+            missing = [key for key in REQUIRED_KEYS if not isinstance(state, dict) or key not in state]
+            if missing:
+                raise ValueError(f"not a distsync checkpoint (missing {', '.join(missing)})")
+            return path, state
         except Exception as error:  # any way a file can fail to unpickle
             aside = _unused(path.with_name(path.name + CORRUPT_SUFFIX))
             os.replace(path, aside)

@@ -20,6 +20,7 @@ OPTIMIZERS = ("sgd", "adamw")
 SCHEDULES = ("cosine", "constant")
 METRICS = ("accuracy", "final_loss", "eval_loss")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+BACKENDS = ("auto", "gloo", "nccl")  # the job runs on CPUs with gloo or on one GPU per process with nccl
 
 
 def _node(key: str, node) -> None:
@@ -38,6 +39,14 @@ def _require(ok: bool, key: str, message: str, value) -> None:
 
 def _one_of(key: str, value, choices: tuple) -> None:
     _require(value in choices, key, f"must be one of {', '.join(choices)}", value)
+
+
+def _at_least(group: str, config, strict: bool = False, **lows) -> None:
+    """Each named field of ``config`` is ``>= low`` (``> low`` with ``strict``); the error names the key."""
+    for name, low in lows.items():
+        value = getattr(config, name)
+        ok = value > low if strict else value >= low
+        _require(ok, f"{group}.{name}", f"must be {'>' if strict else '>='} {low}", value)
 
 
 @dataclass
@@ -107,14 +116,9 @@ class DataConfig:
         _require(bool(self.train) == bool(self.test), "data.test", "goes with data.train", self.test)
         workers = self.num_workers
         _require(workers is None or workers >= 0, "data.num_workers", "must be >= 0 (or null)", workers)
-        _require(self.batch_size >= 1, "data.batch_size", "must be >= 1", self.batch_size)
-        _require(
-            0.0 < self.test_fraction < 1.0, "data.test_fraction", "must be in (0, 1)", self.test_fraction
-        )
-        _require(self.num_samples >= 2, "data.num_samples", "must be >= 2", self.num_samples)
-        _require(self.num_classes >= 2, "data.num_classes", "must be >= 2", self.num_classes)
+        _at_least("data", self, batch_size=1, num_samples=2, num_classes=2, noise=0)
+        _require(0 < self.test_fraction < 1, "data.test_fraction", "must be in (0, 1)", self.test_fraction)
         _require(2 <= self.image_size <= 512, "data.image_size", "must be in [2, 512]", self.image_size)
-        _require(self.noise >= 0.0, "data.noise", "must be >= 0", self.noise)
 
 
 @dataclass
@@ -146,10 +150,9 @@ class OptimConfig:
         _node("optim.factory", self.factory)
         _node("optim.scheduler", self.scheduler)
         _one_of("optim.schedule", self.schedule, SCHEDULES)
-        _require(self.lr > 0.0, "optim.lr", "must be > 0", self.lr)
+        _at_least("optim", self, strict=True, lr=0)
+        _at_least("optim", self, weight_decay=0, warmup_steps=0)
         _require(0.0 <= self.momentum < 1.0, "optim.momentum", "must be in [0, 1)", self.momentum)
-        _require(self.weight_decay >= 0.0, "optim.weight_decay", "must be >= 0", self.weight_decay)
-        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", self.warmup_steps)
 
 
 @dataclass
@@ -211,41 +214,17 @@ class TrainerConfig:
     """``torch.compile`` the model for training."""
 
     def __post_init__(self) -> None:
-        _require(self.nproc_per_node >= 1, "trainer.nproc_per_node", "must be >= 1", self.nproc_per_node)
-        _require(self.nnodes >= 1, "trainer.nnodes", "must be >= 1", self.nnodes)
+        _at_least("trainer", self, nproc_per_node=1, nnodes=1)
         # Rank r seeds NumPy with seed + r, which must stay below 2^32.
         _require(0 <= self.seed < 2**32 - 2**16, "trainer.seed", "must be in [0, 2^32 - 2^16)", self.seed)
-        _require(self.max_steps >= 1, "trainer.max_steps", "must be >= 1", self.max_steps)
-        _require(self.max_restarts >= 0, "trainer.max_restarts", "must be >= 0", self.max_restarts)
-        _require(
-            self.checkpoint_every >= 1, "trainer.checkpoint_every", "must be >= 1", self.checkpoint_every
-        )
-        _require(
-            self.keep_checkpoints >= 1, "trainer.keep_checkpoints", "must be >= 1", self.keep_checkpoints
-        )
-        _require(self.log_every >= 1, "trainer.log_every", "must be >= 1", self.log_every)
-        _require(self.eval_every >= 1, "trainer.eval_every", "must be >= 1", self.eval_every)
-        _require(
-            self.precise_bn_batches >= 0,
-            "trainer.precise_bn_batches",
-            "must be >= 0",
-            self.precise_bn_batches,
-        )
-        _require(self.timeout_s > 0, "trainer.timeout_s", "must be > 0", self.timeout_s)
-        _require(self.monitor_interval > 0, "trainer.monitor_interval", "must be > 0", self.monitor_interval)
+        _at_least("trainer", self, max_steps=1, max_restarts=0, checkpoint_every=1, keep_checkpoints=1)
+        _at_least("trainer", self, log_every=1, eval_every=1, precise_bn_batches=0, grad_accum_steps=1)
+        _at_least("trainer", self, grad_clip=0, powersgd_rank=1, local_sgd_period=0, local_sgd_warmup=1)
+        _at_least("trainer", self, strict=True, timeout_s=0, monitor_interval=0)
+        _one_of("trainer.backend", self.backend, BACKENDS)
         _one_of("trainer.metric", self.metric, METRICS)
         _one_of("trainer.comm_hook", self.comm_hook, COMM_HOOKS)
         _one_of("trainer.precision", self.precision, PRECISIONS)
-        accum = self.grad_accum_steps
-        _require(accum >= 1, "trainer.grad_accum_steps", "must be >= 1", accum)
-        _require(self.grad_clip >= 0.0, "trainer.grad_clip", "must be >= 0", self.grad_clip)
-        _require(self.powersgd_rank >= 1, "trainer.powersgd_rank", "must be >= 1", self.powersgd_rank)
-        _require(
-            self.local_sgd_period >= 0, "trainer.local_sgd_period", "must be >= 0", self.local_sgd_period
-        )
-        _require(
-            self.local_sgd_warmup >= 1, "trainer.local_sgd_warmup", "must be >= 1", self.local_sgd_warmup
-        )
         if self.rdzv_endpoint:
             _require(
                 ":" in self.rdzv_endpoint, "trainer.rdzv_endpoint", "must be host:port", self.rdzv_endpoint

@@ -1,25 +1,33 @@
-"""Datasets that need no download, and resumable per-rank batches over a ``DistributedSampler``."""
+"""Datasets that need no download, and resumable per-rank batches over a ``DistributedSampler``.
+
+The training loop (:meth:`distsync.train.trainer.Trainer.fit`) asks its batch source for *stretches*: the
+steps a rank takes between two points where every rank meets. Within a stretch the job makes no collective
+of its own (the model's, DDP's and the synchronized layers' still run), so its logs, evaluations and
+checkpoints wait for the stretch's end, where the ranks agree on the step they reached (``agree``). The
+map-style sources here give stretches of one step each, and agreeing costs nothing; a stream gives one
+stretch per pass, under DDP's ``Join`` (:mod:`distsync.train.streaming`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from distsync.train.config import ConfigError, DataConfig
-from distsync.train.stretch import Stretch, one_step_stretches
+from distsync.train.streaming import Stretch
 from distsync.train.targets import instantiate
 
 __all__ = [
     "Split",
     "load_data",
     "build_datasets",
-    "ShardedBatches",
     "LoaderBatches",
     "eval_batches",
     "shard_indices",
@@ -108,71 +116,13 @@ def batches_per_epoch(per_rank: int, batch_size: int, world_size: int, total: in
     return per_rank // batch_size
 
 
-class _Position:
-    """The resumable position ``(epoch, batch)`` of endless per-rank batches, the same number on every rank:
-    the training loop's stretches are single steps, which every rank takes together."""
-
-    epoch = 0
-    batch = 0
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch": self.batch}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
-
-    def stretches(self, model) -> Iterator[Stretch]:
-        return one_step_stretches(iter(self))
-
-    def agree(self, start: int, step: int, losses: list[tuple[int, Tensor]], keep: int) -> tuple[int, dict]:
-        return step, dict(losses)  # every rank took this step: nothing to agree on, no collective
-
-
-class ShardedBatches(_Position):
-    """Endless per-rank training batches, epoch after epoch, that can resume mid-epoch.
-
-    A :class:`DistributedSampler` (shuffled with ``seed``, ``set_epoch`` every epoch, tail dropped so
-    every rank gets the same number of samples) picks this rank's samples; full batches of
-    ``batch_size`` are cut from them, so every rank takes the same number of steps per epoch.
-    :meth:`state_dict` is the position ``(epoch, batch)``: a resumed run sees exactly the batches it would
-    have seen.
-
-    Args:
-        data: the training split
-        batch_size: samples per rank per step
-        rank: this rank
-        world_size: number of ranks
-        seed: shuffling seed, the same on every rank
-    """
-
-    def __init__(self, data: Split, batch_size: int, rank: int, world_size: int, seed: int) -> None:
-        self.images, self.labels = data
-        self.sampler = DistributedSampler(
-            range(len(self.labels)),
-            num_replicas=world_size,
-            rank=rank,
-            shuffle=True,
-            seed=seed,
-            drop_last=True,
-        )
-        self.batch_size = batch_size
-        per_rank, total = len(self.sampler), len(self.labels)
-        self.batches_per_epoch = batches_per_epoch(per_rank, batch_size, world_size, total)
-
-    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
-        while True:
-            self.sampler.set_epoch(self.epoch)
-            order = torch.tensor(list(self.sampler))
-            while self.batch < self.batches_per_epoch:
-                idx = order[self.batch * self.batch_size : (self.batch + 1) * self.batch_size]
-                self.batch += 1
-                yield self.images[idx], self.labels[idx]
-            self.epoch, self.batch = self.epoch + 1, 0
-
-
-def build_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset]:
-    """The training and held-out datasets of ``data.train`` / ``data.test`` (``_target_`` nodes)."""
-    return instantiate(cfg.train), instantiate(cfg.test)
+def build_datasets(cfg: DataConfig) -> tuple[Dataset, Dataset, int]:
+    """The training and held-out datasets and the number of classes: those of ``data.train`` /
+    ``data.test`` (``_target_`` nodes), or the built-in data of :func:`load_data` as ``TensorDataset`` s."""
+    if cfg.train:
+        return instantiate(cfg.train), instantiate(cfg.test), cfg.num_classes
+    train, test, num_classes = load_data(cfg)
+    return TensorDataset(*train), TensorDataset(*test), num_classes
 
 
 class _ResumableSampler(Sampler[int]):
@@ -188,12 +138,18 @@ class _ResumableSampler(Sampler[int]):
         return len(self.sampler) - self.start
 
 
-class LoaderBatches(_Position):
-    """:class:`ShardedBatches` for a map-style dataset: batches from a ``DataLoader`` (``num_workers``
-    processes) over this rank's share, resumable mid-epoch at the same position.
+class LoaderBatches:
+    """Endless per-rank training batches of a map-style dataset, epoch after epoch, resumable mid-epoch.
+
+    A :class:`DistributedSampler` (shuffled with ``seed``, ``set_epoch`` every epoch, tail dropped so
+    every rank gets the same number of samples) picks this rank's samples; a ``DataLoader``
+    (``num_workers`` processes) cuts full batches of ``batch_size`` from them, so every rank takes the same
+    number of steps per epoch. :meth:`state_dict` is the position ``(epoch, batch)``: a resumed run sees
+    exactly the batches it would have seen. The training loop's stretches are single steps, which every
+    rank takes together.
 
     Args:
-        dataset: ``(input, label)`` pairs
+        dataset: ``(input, label)`` pairs (the built-in data as a ``TensorDataset``)
         batch_size: samples per rank per step
         rank: this rank
         world_size: number of ranks
@@ -225,7 +181,7 @@ class LoaderBatches(_Position):
             pin_memory=pin_memory,
             drop_last=True,
         )
-        self.batch_size = batch_size
+        self.batch_size, self.epoch, self.batch = batch_size, 0, 0
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         while True:
@@ -238,16 +194,25 @@ class LoaderBatches(_Position):
                     break
             self.epoch, self.batch = self.epoch + 1, 0
 
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch}
 
-def eval_batches(test, rank: int, world_size: int, batch_size: int, num_workers: int = 0):
-    """This rank's share of the held-out data in batches: every sample once over all ranks.
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.batch = int(state["epoch"]), int(state["batch"])
 
-    ``test`` is a :data:`Split` of tensors or a map-style dataset.
-    """
-    if isinstance(test, tuple):
-        images, labels = test
-        for chunk in shard_indices(len(labels), rank, world_size).split(batch_size):
-            yield images[chunk], labels[chunk]
-        return
+    def stretches(self, model) -> Iterator[Stretch]:
+        """Endless stretches of one step each; ``model`` is the module they call (DDP on several ranks)."""
+        batches = iter(self)
+        while True:
+            yield Stretch(contextlib.nullcontext(), iter([batches]))  # the step draws what it needs
+
+    def agree(self, start: int, step: int, losses: list[tuple[int, Tensor]], keep: int) -> tuple[int, dict]:
+        """At a stretch's end, begun at ``start``, this rank at ``step`` with its ``(step, loss)`` pairs: the
+        step every rank is at now, and the loss to remember for each of the last ``keep`` steps."""
+        return step, dict(losses)  # every rank took this step: nothing to agree on, no collective
+
+
+def eval_batches(test: Dataset, rank: int, world_size: int, batch_size: int, num_workers: int = 0):
+    """This rank's share of the map-style held-out dataset in batches: every sample once over all ranks."""
     share = Subset(test, shard_indices(len(test), rank, world_size).tolist())
-    yield from DataLoader(share, batch_size=batch_size, num_workers=num_workers)
+    return DataLoader(share, batch_size=batch_size, num_workers=num_workers)

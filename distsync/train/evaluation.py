@@ -8,9 +8,9 @@ from contextlib import AbstractContextManager
 import torch
 import torch.nn.functional as F
 
+from distsync.train.build import batch_norms
 from distsync.train.collectives import all_reduce
 from distsync.train.data import eval_batches
-from distsync.train.model import batch_norms
 
 __all__ = ["evaluate", "bn_buffers_in_sync"]
 

@@ -1,7 +1,9 @@
 """The Hydra side of training: config registration, the task function body and elastic launches.
 
-This is the only ``distsync`` module that imports Hydra or OmegaConf. It turns the composed ``DictConfig``
-into a plain :class:`~distsync.train.config.TrainConfig` and then either
+With the sweep summary's callback (:mod:`~distsync.train.sweep`) and the workers' call of
+``hydra.utils.instantiate`` (:mod:`~distsync.train.targets`), the job's only use of Hydra and OmegaConf.
+It turns the composed ``DictConfig`` into a plain :class:`~distsync.train.config.TrainConfig` and then
+either
 
 * starts a torchrun world of ``trainer.nproc_per_node`` workers with
   :func:`torch.distributed.launcher.api.elastic_launch` (a plain ``python launch/train.py``, every job of a
@@ -50,7 +52,6 @@ from distsync.train.rundir import (
 from distsync.train.targets import check_targets
 
 __all__ = [
-    "register_configs",
     "to_train_config",
     "prepare_argv",
     "default_run_dir",
@@ -60,15 +61,8 @@ __all__ = [
     "main",
 ]
 
-_SCHEMA = "train_schema"
-
-
-def register_configs() -> None:
-    """Register :class:`TrainConfig` as ``train_schema``, the first entry of ``conf/config.yaml``."""
-    ConfigStore.instance().store(name=_SCHEMA, node=TrainConfig)
-
-
-register_configs()
+# The schema of conf/config.yaml (its first defaults entry): the dataclasses hold every default and check.
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 def under_torchrun() -> bool:
@@ -207,20 +201,17 @@ def _override_error(argv: list[str]) -> str | None:
     directory. For a ``-m`` sweep each value of each listed or ranged sweep is composed (Hydra would
     compose it only when its job comes up, and a failure there ends the whole sweep); values that
     compose but fail the job's own checks fail that job alone. Other configs (``--config-path``,
-    ``--config-dir``, ``--config-name``) are left to Hydra, and so is everything under
-    ``HYDRA_FULL_ERROR=1``.
+    ``--config-dir``, ``--config-name``), and every other option (``--help``, ``--cfg`` ...), are left to
+    Hydra, and so is everything under ``HYDRA_FULL_ERROR=1``.
     """
-    from hydra._internal.utils import get_args_parser  # the parser @hydra.main itself uses
-
-    args, _ = get_args_parser().parse_known_args(argv[1:])
-    options = (args.help, args.hydra_help, args.cfg, args.info, args.shell_completion)
-    other_configs = args.config_path or args.config_dir or args.config_name
-    if any(options) or other_configs or os.environ.get("HYDRA_FULL_ERROR") == "1":
+    options = {arg for arg in argv[1:] if arg.startswith("-")}
+    if options - {"-m", "--multirun"} or os.environ.get("HYDRA_FULL_ERROR") == "1":
         return None
-    if not args.multirun:
-        return _composition_error(list(args.overrides), check_values=True)
-    for overrides in _one_value_per_sweep(list(args.overrides)):
-        error = _composition_error(overrides, check_values=False)
+    overrides = [arg for arg in argv[1:] if not arg.startswith("-")]
+    if not options:
+        return _composition_error(overrides, check_values=True)
+    for one_value in _one_value_per_sweep(overrides):
+        error = _composition_error(one_value, check_values=False)
         if error:
             return error
     return None
@@ -350,18 +341,22 @@ def _run_in_this_worker(cfg: TrainConfig, run_dir: str) -> dict:
     """Train in this torchrun worker; rank 0 says how to resume, at the start and when stopped."""
     from distsync.train.rank_process import run
 
-    resume = resume_command(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None
+    with _saying_how_to_resume(run_dir, int(os.environ.get("RANK", "0")) == 0):
+        return run(cfg, run_dir)
+
+
+@contextlib.contextmanager
+def _saying_how_to_resume(run_dir: str, enabled: bool):
+    """Print the command that resumes this job (:func:`resume_command`) now, and again if stopped."""
+    resume = resume_command(run_dir) if enabled else None
     if resume:
         _say(f"run directory {run_dir}; after an interruption, resume it with: {resume}")
     try:
-        return run(cfg, run_dir)
+        yield
     except SystemExit:  # stopped by Ctrl-C or SIGTERM, after saving its steps
         if resume:
             _say(f"to resume: {resume}")
         raise
-
-
-_BACKENDS = ("auto", "gloo", "nccl")
 
 
 def _check_environment(cfg: TrainConfig) -> None:
@@ -379,11 +374,6 @@ def _check_environment(cfg: TrainConfig) -> None:
         raise ConfigError("trainer.precision=fp16 needs CUDA (its gradient scaler); use bf16 on the CPU")
     if cfg.trainer.comm_hook == "bf16" and world > 1 and not torch.cuda.is_available():
         raise ConfigError("trainer.comm_hook=bf16 needs CUDA with NCCL 2.10+; use fp16 or powersgd on CPU")
-    if cfg.trainer.backend not in _BACKENDS:
-        raise ConfigError(
-            f"trainer.backend must be one of {', '.join(_BACKENDS)} (got {cfg.trainer.backend!r}): the job "
-            "runs on CPUs with gloo or on one GPU per process with nccl"
-        )
     if cfg.trainer.backend == "nccl":
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if gpus == 0:
@@ -432,21 +422,15 @@ def launch(cfg: TrainConfig, run_dir: str) -> dict:
     except ValueError as error:
         _refuse_early(str(error), error)
     lock = _lock_for_workers(cfg, run_dir)
-    resume = resume_command(run_dir) if os.environ.get("SLURM_PROCID", "0") == "0" else None  # once a step
-    if resume:
-        _say(f"run directory {run_dir}; after an interruption, resume it with: {resume}")
     try:
-        return elastic_launch(
-            functools.partial(run, run_dir=os.path.abspath(run_dir)), cfg, role="distsync", **options
-        )
+        with _saying_how_to_resume(run_dir, os.environ.get("SLURM_PROCID", "0") == "0"):  # once a step
+            return elastic_launch(
+                functools.partial(run, run_dir=os.path.abspath(run_dir)), cfg, role="distsync", **options
+            )
     except LaunchError as error:
         _fail(f"training failed: {error}", error)
     except ValueError as error:  # a rendezvous setting torchrun cannot use
         _refuse_early(str(error), error)
-    except SystemExit:  # stopped by Ctrl-C or SIGTERM
-        if resume:
-            _say(f"to resume: {resume}")
-        raise
     finally:
         if lock is not None:
             lock.release()

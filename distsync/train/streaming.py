@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -33,9 +33,15 @@ import distsync
 from distsync.distributed import is_distributed
 from distsync.train.collectives import all_reduce
 from distsync.train.config import ConfigError, TrainConfig
-from distsync.train.stretch import Stretch
 
-__all__ = ["StreamBatches", "check_streaming", "first_input", "is_stream"]
+__all__ = ["Stretch", "StreamBatches", "check_streaming", "first_input", "is_stream"]
+
+
+class Stretch(NamedTuple):
+    """Steps to take under ``context``; each item of ``steps`` feeds one optimizer step its micro-batches."""
+
+    context: contextlib.AbstractContextManager
+    steps: Iterator[Iterator[tuple[Tensor, Tensor]]]
 
 
 def is_stream(dataset: Any) -> bool:

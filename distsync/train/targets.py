@@ -1,10 +1,10 @@
 """``_target_`` nodes: the config names any importable factory, with its keyword arguments.
 
-A node is a plain dict such as ``{"_target_": "torchvision.models.resnet18", "num_classes": 10}``, the
-convention of ``hydra.utils.instantiate``. The workers receive the resolved config as plain data, so they
-build nodes here without Hydra; nested nodes (a ``Compose`` of transforms) are built first. Before any
-worker starts, :func:`check_node` imports every target and checks every key against its signature, so a
-misspelled argument costs one line, not a world of failed workers.
+A node is a plain dict such as ``{"_target_": "torchvision.models.resnet18", "num_classes": 10}``, built by
+``hydra.utils.instantiate`` (nested nodes, a ``Compose`` of transforms, first). What Hydra does not do is
+check a node before it is called: before any worker starts, :func:`check_node` imports every target and
+checks every key against its signature, so a misspelled argument costs one line, not a world of failed
+workers.
 """
 
 from __future__ import annotations
@@ -91,20 +91,16 @@ def _check_nested(value: Any, key: str) -> None:
 
 
 def instantiate(node: dict, *args: Any, **overrides: Any) -> Any:
-    """Call ``node``'s target with ``*args`` and its keys (nested nodes built first), ``overrides`` last."""
-    kwargs = {name: _build(value) for name, value in node.items() if name != TARGET}
-    kwargs.update(overrides)
-    return import_target(node[TARGET])(*args, **kwargs)
+    """Call ``node``'s target with ``*args`` and its keys (nested nodes built first), ``overrides`` last:
+    ``hydra.utils.instantiate`` with plain lists and dicts, raising what the target raised (not Hydra's
+    wrapper), so that every rank's error message names the cause."""
+    from hydra.errors import InstantiationException  # lazy: the checks above need no Hydra
+    from hydra.utils import instantiate as hydra_instantiate
 
-
-def _build(value: Any) -> Any:
-    if is_node(value):
-        return instantiate(value)
-    if isinstance(value, list):
-        return [_build(item) for item in value]
-    if isinstance(value, dict):
-        return {name: _build(item) for name, item in value.items()}
-    return value
+    try:
+        return hydra_instantiate(node, *args, _convert_="all", **overrides)
+    except InstantiationException as error:
+        raise (error.__cause__ or error) from None
 
 
 def check_targets(cfg) -> None:

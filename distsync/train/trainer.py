@@ -26,19 +26,23 @@ from torch.nn.parallel import DistributedDataParallel
 import distsync
 from distsync.distributed import get_rank, get_world_size, is_distributed, no_buffer_broadcast
 from distsync.launching.worker import NonRetryableError
-from distsync.train.build import building
+from distsync.train.build import (
+    all_norms_synced,
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    building,
+)
 from distsync.train.checkpoint import remove_stale_temporaries
 from distsync.train.collectives import all_gather_object, all_reduce
 from distsync.train.config import TrainConfig
-from distsync.train.data import LoaderBatches, ShardedBatches, build_datasets, load_data
+from distsync.train.data import LoaderBatches, build_datasets
 from distsync.train.evaluation import bn_buffers_in_sync, evaluate
 from distsync.train.grad_comm import CommSetup
 from distsync.train.interrupt import StopRequests
 from distsync.train.logs import console_quiet, init_logger
 from distsync.train.metrics import MetricsLog, plot_curves, write_json_atomic
-from distsync.train.model import all_norms_synced, build_model
-from distsync.train.optim import build_optimizer, build_scheduler
-from distsync.train.state import resume_training, save_training_state
+from distsync.train.resume import resume_training, save_training_state
 from distsync.train.streaming import StreamBatches, check_streaming, first_input, is_stream
 from distsync.train.targets import instantiate
 from distsync.tuning import report_result
@@ -72,6 +76,8 @@ class Trainer:
         self.cfg, self.run_dir, self.device, self.started = cfg, run_dir, device, started
         workers = cfg.data.num_workers
         self.loader_workers = min(MAX_LOADER_WORKERS, cores_per_rank - 1) if workers is None else workers
+        if not cfg.data.train:
+            self.loader_workers = 0  # the built-in tensors need no loader processes
         self.rank, self.world_size = get_rank(), get_world_size()
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self.log = init_logger(run_dir, self.rank)
@@ -95,7 +101,7 @@ class Trainer:
         self.seconds_before = 0.0  # of the attempts up to the checkpoint resumed from
         self.training_since: float | None = None  # when this attempt's first step began
         self.stop = StopRequests()  # Ctrl-C/SIGTERM while training: a checkpoint at the next logging step
-        local_states = self._resume()
+        local_states = resume_training(self)
         self.ddp = self._wrap_ddp()
         self.forward = torch.compile(self.ddp) if t.compile else self.ddp
         if local_states is not None:  # after DDP's constructor, which copies rank 0's parameters everywhere
@@ -140,30 +146,22 @@ class Trainer:
             ) from failure
 
     def _load_data(self, cfg: TrainConfig) -> None:
-        """Training batches and held-out data: the built-in tensors, or the ``data.train/test`` datasets."""
-        if not cfg.data.train:
-            self.train, self.test, self.num_classes = load_data(cfg.data)
-            self.in_channels = self.train[0].shape[1]
-        else:
-            self.train, self.test = build_datasets(cfg.data)
-            self.num_classes = cfg.data.num_classes
-            self.in_channels = None if cfg.model.factory else first_input(self.train).shape[0]
+        """Training batches and held-out data: the built-in data, or the ``data.train/test`` datasets."""
+        self.train, self.test, self.num_classes = build_datasets(cfg.data)
+        builtin_or_cnn = not cfg.data.train or not cfg.model.factory
+        self.in_channels = first_input(self.train).shape[0] if builtin_or_cnn else None
         self.batches = self._training_batches(cfg.trainer.seed)
 
-    def _training_batches(self, seed: int) -> ShardedBatches | LoaderBatches | StreamBatches:
+    def _training_batches(self, seed: int) -> LoaderBatches | StreamBatches:
         """This rank's endless training batches, shuffled with ``seed`` (a stream's: one pass)."""
         d = self.cfg.data
-        if not d.train:
-            return ShardedBatches(self.train, d.batch_size, self.rank, self.world_size, seed)
-        pin_memory = self.device.type == "cuda"
-        workers = self.loader_workers
         if is_stream(self.train):  # see distsync.train.streaming
             check_streaming(self.cfg)
             # A stream splits itself among loader workers only if it is written to: none unless asked.
-            workers = d.num_workers or 0
-            return StreamBatches(self.train, d.batch_size, workers, device=self.device)
+            return StreamBatches(self.train, d.batch_size, d.num_workers or 0, device=self.device)
+        pin_memory = self.device.type == "cuda"
         return LoaderBatches(
-            self.train, d.batch_size, self.rank, self.world_size, seed, workers, pin_memory=pin_memory
+            self.train, d.batch_size, self.rank, self.world_size, seed, self.loader_workers, pin_memory
         )
 
     def _wrap_ddp(self) -> torch.nn.Module:
@@ -176,9 +174,6 @@ class Trainer:
         )
         self.comm.register_hook(ddp, self.step)
         return ddp
-
-    def _resume(self) -> dict | None:
-        return resume_training(self)
 
     # ---------------------------------------------------------------------------------------- training
 
@@ -207,7 +202,7 @@ class Trainer:
 
     def _train(self, bar) -> None:
         """The training loop: stretches of steps from the batch source (one step each for a map-style
-        dataset; a pass under DDP's ``Join`` for a stream, see :mod:`~distsync.train.stretch`), and at each
+        dataset; a pass under DDP's ``Join`` for a stream, see :mod:`~distsync.train.data`), and at each
         stretch's end the logs, evaluation and checkpoint that fell due within it."""
         t = self.cfg.trainer
         loss_sum = torch.zeros(2, dtype=torch.float64, device=self.device)  # sum of losses, count
@@ -251,12 +246,12 @@ class Trainer:
             stopping = self._log_train(loss_sum, bar)  # the mean loss of the steps since the last log
             loss_sum.zero_()
             if stopping:  # some rank got Ctrl-C or SIGTERM: every rank saves this step, then ends
-                self._checkpoint()
+                save_training_state(self)
                 self.stop.end(step, self.log)
         if evaluate and self.pruned(self._evaluate()):
             return
         if checkpoint:
-            self._checkpoint()
+            save_training_state(self)
 
     def _train_step(self, batches) -> torch.Tensor:
         """One optimizer step over ``trainer.grad_accum_steps`` micro-batches; returns the mean loss."""
@@ -342,13 +337,7 @@ class Trainer:
         per rank, drawn apart from the training order (which a resumed run must see unchanged)."""
         t = self.cfg.trainer
         batches = itertools.islice(iter(self._training_batches(t.seed + 1 + self.step)), t.precise_bn_batches)
-        memory_format = torch.channels_last if t.channels_last else torch.contiguous_format
-        inputs = (
-            x.to(self.device).contiguous(
-                memory_format=memory_format if x.dim() == 4 else torch.contiguous_format
-            )
-            for x, _ in batches
-        )
+        inputs = (self._laid_out(x.to(self.device)) for x, _ in batches)
         with self.autocast():
             distsync.update_bn(inputs, self.model)
 
@@ -359,9 +348,6 @@ class Trainer:
         all_reduce(recent)
         steps = [s % FINAL_LOSS_STEPS for s in range(max(1, self.step - FINAL_LOSS_STEPS + 1), self.step + 1)]
         return recent[steps].mean().item() / self.world_size if steps else math.nan
-
-    def _checkpoint(self) -> None:
-        save_training_state(self)
 
     def _finish(self) -> dict:
         held_out = self._evaluate()
