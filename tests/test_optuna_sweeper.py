@@ -622,6 +622,37 @@ def test_a_sweeps_heartbeat_beats_while_it_runs_and_says_when_it_ended(tmp_path)
     assert silent_for(frozen[foreign.number], beats, time.time()) is None
 
 
+def test_a_gone_sweeps_trial_is_taken_over_under_its_number_its_job_waited_for_then_launched_again(tmp_path):
+    """A running trial whose sweep never wrote a heartbeat (gone) and whose job is recorded: the slots take
+    it over first, under its own number and parameters, and are handed its job; that job ending without a
+    result launches the trial again even with max_retries=0 (it was not this sweep's retry), and the study
+    then asks new trials up to n_trials."""
+    from hydra.core.utils import JobReturn, JobStatus
+    from submitit.core.utils import UncompletedJobError
+
+    from hydra_plugins.distsync_optuna_sweeper._heartbeat import OWNER
+    from hydra_plugins.distsync_optuna_sweeper._trials import JOB
+
+    calls: list[tuple[int, str | None]] = []
+
+    def run_one(number, overrides, stop, job):
+        calls.append((number, job))
+        if job is not None:
+            raise UncompletedJobError(f"Job {job} has not produced any output (state: CANCELLED)")
+        x = float(next(o for o in overrides if o.startswith("x=")).split("=", 1)[1])
+        return JobReturn(status=JobStatus.COMPLETED, _return_value=x)
+
+    study, storage, slots = _slots_over(tmp_path, run_one, n_trials=2, max_retries=0)
+    gone = study.ask({"x": optuna.distributions.FloatDistribution(0.0, 1.0)})
+    gone.set_user_attr(OWNER, "a-killed-sweep")
+    gone.set_user_attr(JOB, "slurm:4242")
+    slots.run_threads()
+    trials = {t.number: t for t in study.trials}
+    assert [trials[n].state.name for n in range(2)] == ["COMPLETE", "COMPLETE"]
+    assert [c for c in calls if c[0] == 0] == [(0, "slurm:4242"), (0, None)]
+    assert trials[0].value == gone.params["x"] and trials[0].user_attrs[OWNER] == "this-sweep"
+
+
 def _submitit_sweep(tmp_path: Path, *args: str) -> list[str]:
     return [
         sys.executable, str(APP), *SWEEPER, "hydra/launcher=submitit_local",

@@ -325,9 +325,11 @@ class Slots:
                     if self.stop.is_set():
                         return
                     with self.lock:
-                        again = self.trials.lost(number, error, retry=attempt < self.max_retries)
+                        # a job a gone sweep left is not one of this sweep's retries: always launched again
+                        retry = left_running is not None or attempt < self.max_retries
+                        again = self.trials.lost(number, error, retry=retry)
                     if again:
-                        attempt += 1 if left_running is None else 0  # a gone sweep's job is not a retry
+                        attempt += 1 if left_running is None else 0
                         left_running = None
                         continue
                 except failed as error:
