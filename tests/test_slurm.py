@@ -547,3 +547,26 @@ def test_an_optuna_driver_killed_with_sigkill_leaves_its_job_to_the_next_sweep(s
     assert silent and float(silent.group(1)) > 4.0, out  # grace_period: twice heartbeat_interval
     print(f"trial #0 taken over after a heartbeat silence of {silent.group(1)} s; the rerun took "
           f"{time.monotonic() - killed:.1f} s from the kill")  # fmt: skip
+
+
+def test_an_optuna_trial_whose_slurm_job_is_requeued_resumes_in_the_same_job(slurm_cluster, tmp_path):
+    """``scontrol requeue`` of one trial's SLURM job mid-training (as a preemption requeues it): its ranks
+    save a checkpoint, the same job runs again in the trial's job dir and resumes there; the sweep waits
+    for that job's result (no second job, no relaunch), and the study ends with every trial complete."""
+    args = ["hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", "hydra.sweeper.direction=maximize"]
+    args += ["optim.lr=interval(0.05,0.2)", *TINY[:2], "trainer.max_steps=2000", *TINY[3:]]
+    sweep = tmp_path / "sweep"
+    driver = _optuna_sweep(slurm_cluster, tmp_path, *args)
+    wait_until(lambda: _trial_dirs_training(sweep, ("0",), 3), 300, "trial #0 trains", slurm_cluster)
+    (job,) = _sweep_jobs(sweep)
+    slurm_cluster.scontrol("requeue", job)
+    slurm_cluster.wait_for(job, ("PENDING",), timeout=60)
+    (saved,) = (sweep / "0" / "checkpoints").glob("step_*.pt")
+    start_requeued_now(slurm_cluster, job)
+    out, _ = driver.communicate(timeout=900 * timeout_scale())
+    assert driver.returncode == 0, out[-4000:]
+    assert "Study distsync: 2 of n_trials=2 finished" in out, out[-4000:]
+    assert slurm_cluster.job(job).get("Restarts", "1") == "1"
+    assert "ended without a result" not in out and len(_sweep_jobs(sweep)) == 2  # one job per trial
+    s = summary(sweep / "0")
+    assert s["steps"] == 2000 and s["resumed_from_step"] == int(saved.stem.removeprefix("step_")), s
