@@ -214,6 +214,11 @@ def _wait_for(condition, what: str, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
+def _runs(job_dir: Path) -> list[dict]:
+    """Rank 0's runs of the trial in ``job_dir``, as each wrote itself to ``started0.jsonl`` as it began."""
+    return [json.loads(line) for line in (job_dir / "started0.jsonl").read_text().splitlines()]
+
+
 def _check_job_dirs(sweep: Path, trials: dict) -> None:
     """Every job dir holds the trial of its number, and the files its own world wrote."""
     for job in (p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit()):
@@ -292,7 +297,7 @@ def test_a_killed_sweep_run_again_resumes_its_trial_in_its_job_dir(tmp_path, whe
     trials = _trials(storage, "distsync")
     assert [t.state.name for t in trials.values()] == ["COMPLETE"] * 3
     assert trials[0].params["x"] == first_x
-    runs = [json.loads(line) for line in (sweep / "1" / "started0.jsonl").read_text().splitlines()]
+    runs = _runs(sweep / "1")
     assert [r["first_step"] for r in runs] == [0, killed_after + 1]  # went on, not over
     assert yaml.safe_load((sweep / "1" / "trial.yaml").read_text())["resumed_from_a_gone_sweep"]
     _check_job_dirs(sweep, trials)
@@ -371,7 +376,7 @@ def test_ctrl_c_of_a_packed_study_stops_its_trials_and_the_next_sweep_resumes_th
     trials = _trials(storage, "distsync")
     assert [t.state.name for t in trials.values()] == ["COMPLETE", "COMPLETE", "COMPLETE"]
     for n in (0, 1):
-        runs = [json.loads(line) for line in (sweep / str(n) / "started0.jsonl").read_text().splitlines()]
+        runs = _runs(sweep / str(n))
         assert [r["first_step"] for r in runs] == [0, stopped_at[n] + 1], n
     _check_job_dirs(sweep, trials)
 
@@ -703,12 +708,12 @@ def test_through_submitit_a_trial_whose_job_is_killed_goes_on_in_its_job_dir(tmp
     driver = subprocess.Popen(command, cwd=tmp_path, env=env, start_new_session=True, **output)
     saved = sweep / "1" / "step0.txt"
     _wait_for(lambda: saved.exists() and int(saved.read_text() or -1) >= 3, "trial #1 to pass step 3")
-    (start,) = [json.loads(line) for line in (sweep / "1" / "started0.jsonl").read_text().splitlines()]
+    (start,) = _runs(sweep / "1")
     os.kill(start["pid"], signal.SIGKILL)
     killed_after = int(saved.read_text())
     output, _ = driver.communicate(timeout=300 * timeout_scale())
     assert driver.returncode == 0, output[-4000:]
-    runs = [json.loads(line) for line in (sweep / "1" / "started0.jsonl").read_text().splitlines()]
+    runs = _runs(sweep / "1")
     assert [r["first_step"] for r in runs] == [0, killed_after + 1], output[-4000:]  # went on, not over
     trials = _trials(f"journal:{sweep / 'optuna_journal.log'}", "distsync")
     assert [t.state.name for t in trials.values()] == ["COMPLETE"] * 3
@@ -748,7 +753,7 @@ def test_sigterm_to_a_submitit_sweep_cancels_its_jobs_and_the_same_command_resum
     trials = _trials(f"journal:{sweep / 'optuna_journal.log'}", "distsync")
     assert [t.state.name for t in trials.values()] == ["COMPLETE"] * 3
     for n in (0, 1):
-        runs = [json.loads(line) for line in (sweep / str(n) / "started0.jsonl").read_text().splitlines()]
+        runs = _runs(sweep / str(n))
         assert [r["first_step"] for r in runs] == [0, stopped_at[n] + 1], n
     _check_job_dirs(sweep, trials)
 
@@ -768,13 +773,13 @@ def test_a_killed_submitit_sweeps_running_job_is_waited_for_and_its_result_taken
     _wait_for(lambda: saved.exists() and int(saved.read_text() or -1) >= 2, "trial #0's step 2")
     driver.send_signal(signal.SIGKILL)
     driver.wait(60)
-    (run,) = [json.loads(line) for line in (sweep / "0" / "started0.jsonl").read_text().splitlines()]
+    (run,) = _runs(sweep / "0")
     assert _alive(run["pid"])  # the job runs on without its sweep
     proc = run_job(_submitit_sweep(tmp_path, *args), tmp_path, timeout=300, PYTHONPATH=_vision.python_path())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trials = _trials(f"journal:{sweep / 'optuna_journal.log'}", "distsync")
     assert [t.state.name for t in trials.values()] == ["COMPLETE"] * 2
-    runs = [json.loads(line) for line in (sweep / "0" / "started0.jsonl").read_text().splitlines()]
+    runs = _runs(sweep / "0")
     assert [r["first_step"] for r in runs] == [0]  # the one run, waited for: nothing computed twice
     assert trials[0].value == json.loads((sweep / "0" / "rank0.json").read_text())["x"]
     assert "UpdateFinishedTrialError" not in proc.stdout + proc.stderr
