@@ -92,24 +92,29 @@ def test_built_models_are_named_from_the_outermost_module_at_their_first_call():
     assert _path_at_call(nn.DataParallel(model), model.decoder[1]) == "decoder.1"  # wrapper slot left out
     assert model.encoder[1]._sync_state.path == "encoder.1"  # every layer under that root at once
     alone = distsync.DistSyncBatchNorm2d(4)
-    assert _path_at_call(alone, alone) == ""  # called on its own
+    assert _path_at_call(alone, alone) == f"#{alone._sync_state.built}"  # called on its own
     converted = distsync.convert_sync_batchnorm(_BuiltSynced())  # conversion names built layers too
     assert layer_path(converted.decoder[1]) == "decoder.1"
 
 
-def test_a_layer_called_on_its_own_is_named_from_the_tree_that_holds_it():
-    """``model[2][0](x)`` in a loop: no module holding it is being called; the tree is found among the
-    live modules (a wrapper around the model leaves the model's paths)."""
+def test_a_layer_called_on_its_own_is_named_by_the_order_it_was_built_in():
+    """``model[2][0](x)`` in a loop, on a model never converted nor called whole: no module being called
+    holds it, and no heap is scanned for one, so it is named ``#k``, the k-th synchronized layer built in
+    this process (two layers of one width never share a name); a later conversion names it by its path."""
     model = nn.Sequential(nn.Conv2d(4, 4, 1), distsync.DistSyncBatchNorm2d(4))
     model.append(nn.Sequential(distsync.DistSyncBatchNorm2d(4)))
-    wrapped = nn.DataParallel(model)
-    assert layer_path(model[2][0]) == "2.0" and model[1]._sync_state.path == "1"
-    assert wrapped.module is model
-    assert layer_path(distsync.DistSyncBatchNorm2d(4)) == ""  # held by no module
+    first, second = model[1]._sync_state.built, model[2][0]._sync_state.built
+    assert second == first + 1
+    assert layer_path(model[2][0]) == f"#{second}" and layer_path(model[1]) == f"#{first}"
+    assert model[1]._sync_state.path is None  # not stamped: the model called whole names it by its path
+    assert _path_at_call(model, model[2][0]) == "2.0"
+    copy = _reload(distsync.DistSyncBatchNorm2d(4))
+    assert layer_path(copy) == f"#{copy._sync_state.built}" and copy._sync_state.built > second
 
 
 def test_frames_are_read_in_torch_compat_only():
-    """The only frame reads are torch's module-call and checkpoint frames, in ``_torch_compat``."""
+    """The only frame reads are torch's module-call and checkpoint frames, in ``_torch_compat``; nothing
+    scans the heap."""
     import re
     from pathlib import Path
 
@@ -118,6 +123,7 @@ def test_frames_are_read_in_torch_compat_only():
         text = path.read_text()
         if path.name != "_torch_compat.py":
             assert not re.search(r"\b(_getframe|f_back|f_locals)\b", text), path
+        assert not re.search(r"\bgc\.get_(objects|referrers)\b", text), path
 
 
 def test_importing_distsync_changes_nothing_in_torch():
@@ -243,6 +249,12 @@ def _identity_world(rank, world_size, saved):
     # so its parts called in rank-dependent order inside its forward are told apart.
     built = _BuiltSynced()
     seen["built, swapped inside forward"] = _outcome(lambda: built(_x(), ("encoder", "decoder")[rank]).shape)
+    # Layers of one width called on their own, never converted nor called under a model: named by the
+    # order they were built in, the same on every rank.
+    alone = [distsync.DistSyncBatchNorm2d(4), distsync.DistSyncBatchNorm2d(4)]
+    seen["built, called alone"] = _outcome(lambda: [layer(_x()) for layer in alone][-1].shape)
+    alone = [distsync.DistSyncBatchNorm2d(4), distsync.DistSyncBatchNorm2d(4)]
+    seen["built, called alone, swapped"] = _outcome(lambda: [layer(_x()) for layer in alone[:: 1 - 2 * rank]])
     # A layer shared by two parents, a checkpointed block and functional_call: every rank alike.
     shared = _built()
     shared.decoder[1] = shared.encoder[1]
@@ -275,10 +287,11 @@ def test_identity_across_ranks():
     buffer = io.BytesIO()
     torch.save(_built(), buffer)
     for seen in run_world(_identity_world, 2, buffer.getvalue()):
-        for scenario in ("loaded, direct calls", "wrapper on one rank", "shared, checkpoint, functional"):
+        ok = ("loaded, direct calls", "wrapper on one rank", "shared, checkpoint, functional")
+        for scenario in (*ok, "built, called alone"):
             assert seen[scenario] == (None, torch.Size([3, 4, 2, 2])), (scenario, seen[scenario])
         swapped = ("swapped submodules", "colliding names", "named twins swapped")
-        for scenario in (*swapped, "built, swapped inside forward"):
+        for scenario in (*swapped, "built, swapped inside forward", "built, called alone, swapped"):
             assert seen[scenario][0] == "SyncMismatchError", (scenario, seen[scenario])
         assert seen["first batch freed"]
 

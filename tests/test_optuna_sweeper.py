@@ -677,8 +677,8 @@ def test_through_submitit_a_trial_starts_as_soon_as_a_slot_frees(tmp_path):
     """Hydra's submitit launcher (submitit_local here; submitit_slurm in test_slurm.py), n_jobs=2: trials of
     unequal length (one step or 25 s), each a job of its own; whenever a trial ends while the other slot's
     trial runs on for 20 s or more, the next trial is submitted before that one ends (in batches it would
-    wait for it). Submitted: the mtime of submitit's ``<job>_submitted.pkl`` (a local job's id is the pid of
-    the controller that runs the trial), not the trial's start, which a loaded machine delays by its startup."""
+    wait for it). Submitted: the mtime of submitit's ``<job>_submitted.pkl`` (a local job's id is the pid
+    of the controller that runs the trial), not the trial's start, which a loaded machine delays."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     command = _submitit_sweep(
         tmp_path, "hydra.sweeper.n_trials=6", "hydra.sweeper.n_jobs=2", "hydra.sweeper.sampler.seed=0",

@@ -11,11 +11,15 @@ stamped on the layer's sync state (which pickling and deep copies carry along), 
 * the first synchronized call of a layer that has none (built directly, never converted): the outermost
   module being called at that moment whose tree holds it, whose synchronized layers all get their paths
   from it at once (:func:`distsync._torch_compat.modules_being_called`, which reads the ``self`` of
-  torch's own module-call frames and nothing of the caller's); a layer called on its own (``model[1](x)``
-  in a loop, on a model never converted nor called whole) is named from the root of the module tree that
-  holds it, found among the live modules at that first call (a layer no module holds is named ''). Without
-  that scan two such layers of one width would share an identity, and ranks calling them in different
-  orders would mix their statistics silently.
+  torch's own module-call frames and nothing of the caller's).
+
+A layer with no path at its first call (called on its own, ``model[1](x)`` in a loop, on a model never
+converted nor called whole, or held by no module) is named by when it was built: ``#k``, the k-th
+synchronized layer built or unpickled in this process. Ranks that build their models in the same order
+agree, and two such layers of one width always differ, so ranks calling them in different orders raise
+rather than mix their statistics; ranks that build them in different orders get ``SyncMismatchError`` at
+the first call, and name the layers with :func:`name_layers` (or convert the model, or call it whole
+once). No heap is scanned for the module that holds a layer.
 
 No frame is read here: the one place that reads frames is ``_torch_compat``.
 
@@ -40,8 +44,8 @@ selects its tail as a view: no host-to-device copy per call.
 from __future__ import annotations
 
 import functools
-import gc
 import hashlib
+import itertools
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -142,41 +146,20 @@ def _holds(root: nn.Module, layer: nn.Module) -> bool:
     return any(module is layer for module, _ in walk(root))
 
 
-def _holding_root(layer: nn.Module) -> nn.Module:
-    """The root of the module tree that holds ``layer``, climbing from it while each module has one parent
-    (a wrapper and the model it wraps: the model), found among the live modules (``gc``, no frame);
-    ``layer`` itself if no module holds it. Only for a layer called on its own, at its first call."""
-    if not any(isinstance(holder, dict) for holder in gc.get_referrers(layer)):
-        return layer  # in no module's children (a dict): nothing to look for
-    parents: dict[int, dict[int, nn.Module]] = {}
-    for obj in gc.get_objects():
-        if issubclass(type(obj), nn.Module):
-            children = obj.__dict__.get("_modules")
-            for child in children.values() if isinstance(children, dict) else ():
-                if child is not None:
-                    parents.setdefault(id(child), {})[id(obj)] = obj
-    root, seen = layer, {id(layer)}
-    while len(parents.get(id(root), ())) == 1:
-        (parent,) = parents[id(root)].values()
-        if id(parent) in seen:
-            break
-        seen.add(id(parent))
-        root = parent
-    return root
-
-
 def layer_path(layer: nn.Module) -> str:
     """The path a synchronized layer is identified by: a name given with :func:`name_layers`, else the path
     stamped on it (by conversion, pickling or an earlier call), else its path from the outermost module
-    being called now whose tree holds it, else from the root of the module tree that holds it (all unnamed
-    layers under that module are stamped from it at once), else '' (a layer no module holds)."""
+    being called now whose tree holds it (all unnamed layers under that module are stamped from it at
+    once), else ``#k``, the order it was built in (see the module docstring)."""
     state = layer._sync_state
     if state.name is not None:
         return state.name
     if state.path is None:
         callers = _torch_compat.modules_being_called()
         root = next((m for m in callers if m is not layer and _holds(m, layer)), None)
-        stamp_paths(_holding_root(layer) if root is None else root, only_missing=True)
+        if root is None:
+            return f"#{state.built}"  # not stamped: a later call under its model, or conversion, names it
+        stamp_paths(root, only_missing=True)
     return state.path
 
 
@@ -210,6 +193,9 @@ def name_layers(module: nn.Module, name: str) -> nn.Module:
     return module
 
 
+_BUILT = itertools.count()  # synchronized layers built in this process, in order
+
+
 class SyncState:
     """A synchronized layer's identity, call counts and device-side tails, plus its merge shift.
 
@@ -220,12 +206,18 @@ class SyncState:
     """
 
     def __init__(
-        self, layer_name: str = "", copies: int = 0, path: str | None = None, name: str | None = None
+        self,
+        layer_name: str = "",
+        copies: int = 0,
+        path: str | None = None,
+        name: str | None = None,
+        built: int | None = None,
     ) -> None:
         self.layer_name = layer_name  # for messages, once the identity is known
         self.copies = copies  # deep copies between this layer and one built or unpickled
         self.path = path  # stamped by conversion or at the first call; kept by pickles and copies
         self.name = name  # explicit name (name_layers), preferred to any path
+        self.built = next(_BUILT) if built is None else built  # the name of a layer with no path
         self.identity: int | None = None
         self.calls = [0, 0]
         self.shift: Tensor | None = None  # merge shift (float64), shared by every rank
@@ -237,7 +229,7 @@ class SyncState:
         self.transport = None  # (process group, its reducer) of the last call, never copied
 
     def __deepcopy__(self, memo) -> SyncState:
-        return SyncState(self.layer_name, self.copies + 1, self.path, self.name)
+        return SyncState(self.layer_name, self.copies + 1, self.path, self.name, self.built)
 
     def __getstate__(self) -> dict:
         return {"layer_name": self.layer_name, "path": self.path, "name": self.name}
@@ -247,7 +239,7 @@ class SyncState:
 
     def fresh_copy(self) -> SyncState:
         """Same identity and counts, own tables (for a replica that syncs on its own)."""
-        copy = SyncState(self.layer_name, self.copies, self.path, self.name)
+        copy = SyncState(self.layer_name, self.copies, self.path, self.name, self.built)
         copy.identity, copy.calls = self.identity, list(self.calls)
         return copy
 
