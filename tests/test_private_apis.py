@@ -284,3 +284,32 @@ def test_multiprocessing_fork_server_state_a_packed_job_shares():
         assert hasattr(server, name), name
     assert callable(type(server).ensure_running) and callable(forkserver.ensure_running)
     assert callable(context.get_spawning_popen) and callable(reduction.DupFd)
+
+
+def test_a_stopped_agent_stops_its_rendezvous_keep_alive_thread():
+    """torch's ``launch_agent`` creates its rendezvous handler through the registry's
+    ``get_rendezvous_handler`` (which ``keep_alive_stopped_on_signal`` wraps), and a c10d handler's
+    keep-alive thread is its ``_keep_alive_timer``, which ``stop_keep_alive`` stops, rendezvous left open."""
+    import threading
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, registry
+    from torch.distributed.launcher import api
+
+    from distsync.launching.agent import stop_keep_alive
+    from distsync.testing import free_port
+
+    assert "rdzv_registry.get_rendezvous_handler(" in inspect.getsource(api.launch_agent)
+    params = RendezvousParameters(
+        backend="c10d", endpoint=f"localhost:{free_port()}", run_id="keep-alive", min_nodes=1, max_nodes=1
+    )
+    handler = registry.get_rendezvous_handler(params)
+    before = set(threading.enumerate())
+    handler.next_rendezvous()
+    keep_alive = [t for t in set(threading.enumerate()) - before if t.daemon]
+    assert keep_alive, "no keep-alive thread started with the rendezvous"
+    try:
+        assert stop_keep_alive(handler, timeout=30)
+        assert not any(thread.is_alive() for thread in keep_alive)
+        assert not handler.is_closed()
+    finally:
+        handler.shutdown()

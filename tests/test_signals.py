@@ -71,3 +71,31 @@ def test_sigterm_to_every_process_of_the_job_keeps_the_steps_and_resumes_exactly
     assert resumed["resumed_from_step"] == step and resumed["steps"] == 300
     for key in ("final_loss", "accuracy", "eval_loss"):
         assert resumed[key] == reference[key], key
+
+
+# A SIGTERM that lands in torch's metrics wrapper before it has read the clock: its ``finally`` then
+# raises UnboundLocalError while handling the SignalException (seen in a suite run, exit 1 instead of 143).
+_SIGNAL_LOST_IN_TORCHS_CLEANUP = """
+import signal
+import torch.distributed.elastic.agent.server.local_elastic_agent as local_agent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+def monitor(self, group):
+    try:
+        raise SignalException("got signal: 15", sigval=signal.SIGTERM)
+        start = 0.0
+    finally:
+        print(start)
+
+local_agent.LocalElasticAgent._monitor_workers = monitor
+"""
+
+
+def test_a_signal_torchs_cleanup_fails_after_still_stops_the_caller_with_its_code():
+    """The signal behind an error raised while torch handled it is what stopped the launch: the caller
+    stops with 128 + the signal, as after a clean ``SignalException`` (a SLURM script requeues on 143)."""
+    launch = "import elastic_fns\nelastic_fns.launch_and_print('rank_and_config')"
+    code = f"{_SIGNAL_LOST_IN_TORCHS_CLEANUP}\n{launch}"
+    proc = run_job([sys.executable, "-c", code], cwd=Path(__file__).parent, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert "distsync.launch: stopped by SIGTERM" in proc.stderr

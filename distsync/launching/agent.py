@@ -6,6 +6,9 @@ returning (``sys.exit()``, ``os._exit(0)``) leaves it, and every rank that did r
 ended, the world is done, and the ranks without a result are marked :class:`NoResult`. When a worker
 fails, the ranks that had already ended without a result are reported with it.
 
+:func:`keep_alive_stopped_on_signal` stops the rendezvous keep-alive thread of an agent stopped by a
+signal, so that the process exits with the signal's code rather than aborting inside torch's store client.
+
 This extends torch's ``MultiprocessContext`` through its private members (``_poll``, ``_close``, ``_pc``,
 ``_return_values``, ``error_files``, ``nprocs``, 2.3 to 2.14 at least). Where a release lacks one of them,
 the agent runs torch's own context unchanged (a rank ending without a result then leaves the others
@@ -20,12 +23,14 @@ import inspect
 import logging
 import os
 import signal
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed.elastic.multiprocessing as elastic_mp
-from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, RunProcsResult
+import torch.distributed.elastic.rendezvous.registry as rendezvous_registry
+from torch.distributed.elastic.multiprocessing.api import MultiprocessContext, RunProcsResult, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 
@@ -180,3 +185,70 @@ def ranks_ending_watched() -> Iterator[None]:
     finally:
         elastic_mp.MultiprocessContext = original
         torch_log.removeFilter(_one_line_failure)
+
+
+# How long a stopped agent waits for its rendezvous keep-alive call in flight (a store that answers takes
+# milliseconds; one whose server is gone fails at once).
+KEEP_ALIVE_STOP_S = 10.0
+
+
+def stop_keep_alive(handler: Any, timeout: float = KEEP_ALIVE_STOP_S) -> bool:
+    """Stop the keep-alive thread of torch's dynamic rendezvous ``handler`` (c10d, etcd-v2) without closing
+    the rendezvous; wait up to ``timeout`` s for the call it has in flight. Returns whether no keep-alive
+    thread is left (True for a handler without one: static, distsync's local one).
+
+    The timer is the handler's private ``_keep_alive_timer`` (torch 1.9 to 2.14 at least); its public
+    ``cancel`` sets its stop event and joins its thread without a bound, so it runs in a thread of its
+    own here."""
+    timer = getattr(handler, "_keep_alive_timer", None)
+    cancel = getattr(timer, "cancel", None)
+    if cancel is None:
+        return True
+    stopper = threading.Thread(target=cancel, name="distsync-stop-keep-alive", daemon=True)
+    stopper.start()
+    stopper.join(timeout)
+    return not stopper.is_alive()
+
+
+@contextlib.contextmanager
+def keep_alive_stopped_on_signal() -> Iterator[None]:
+    """Within this block, the rendezvous handlers torch's agents create are kept; when a signal stops the
+    agent (``SignalException``), their keep-alive threads are stopped before the exception goes on.
+
+    On a signal torch's ``launch_agent`` leaves the rendezvous open (so that the other nodes may go on),
+    and with it the handler's keep-alive: a daemon thread that calls the rendezvous store every few
+    seconds. When the node that served the store has just exited, that call fails; if it returns while
+    this process's interpreter is finalizing, the thread is torn down inside the store's C++ client and
+    the process aborts ("terminate called without an active exception", exit 134 instead of 143, so a
+    SLURM script that requeues on 143 does not)."""
+    handlers: list[Any] = []
+    create = rendezvous_registry.get_rendezvous_handler
+
+    def kept(*args: Any, **kwargs: Any) -> Any:
+        handler = create(*args, **kwargs)
+        handlers.append(handler)
+        return handler
+
+    rendezvous_registry.get_rendezvous_handler = kept
+    try:
+        yield
+    except Exception as error:
+        if signal_behind(error) is not None:
+            for handler in handlers:
+                stop_keep_alive(handler)
+        raise
+    finally:
+        rendezvous_registry.get_rendezvous_handler = create
+
+
+def signal_behind(error: BaseException) -> SignalException | None:
+    """The ``SignalException`` that ``error`` is, or was raised while handling (torch's cleanup can fail
+    on its way out: its metrics wrapper raises ``UnboundLocalError`` when the signal lands before the
+    wrapper has read the clock), else None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, SignalException):
+            return error
+        seen.add(id(error))
+        error = error.__context__
+    return None

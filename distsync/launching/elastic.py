@@ -189,7 +189,12 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from distsync.launching.agent import WorldNotRestarted, ranks_ending_watched
+    from distsync.launching.agent import (
+        WorldNotRestarted,
+        keep_alive_stopped_on_signal,
+        ranks_ending_watched,
+        signal_behind,
+    )
     from distsync.launching.worker import WorkerSetup, main_import_deferred, pack, run_rank
 
     check_options(
@@ -255,6 +260,7 @@ def launch(
         with (
             _store_of_this_run(config, standalone, timeout_s, slurm if walks else None),
             ranks_ending_watched(),
+            keep_alive_stopped_on_signal(),
             main_import_deferred(),
         ):
             results = elastic_launch(config, run_rank)(sent, setup)
@@ -266,6 +272,11 @@ def launch(
         _stop_the_caller(stopped.sigval)
     except RendezvousError as refused:
         raise LaunchError(str(refused)) from None
+    except Exception as error:  # raised by torch's own cleanup while a signal stopped the agent: the signal
+        stopped = signal_behind(error)
+        if stopped is None:
+            raise
+        _stop_the_caller(stopped.sigval)
     return _rank_zeros_value(results)
 
 
