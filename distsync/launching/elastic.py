@@ -185,7 +185,6 @@ def launch(
         options.update(monitor_interval=monitor_interval, start_method=start_method, log_dir=log_dir)
         return sized_by_fn(lambda nproc: launch(fn, cfg, nproc_per_node=nproc, devices=devices, **options))
 
-    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -268,11 +267,9 @@ def launch(
         raise _launch_error(error, max_restarts) from None
     except WorldNotRestarted as stopped:
         raise LaunchError(stopped.message, stopped.failures) from None
-    except SignalException as stopped:
-        _stop_the_caller(stopped.sigval)
     except RendezvousError as refused:
         raise LaunchError(str(refused)) from None
-    except Exception as error:  # raised by torch's own cleanup while a signal stopped the agent: the signal
+    except Exception as error:  # a signal stopped the agent, or torch's cleanup failed while handling it
         stopped = signal_behind(error)
         if stopped is None:
             raise
