@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from distsync._syncbn import checkpointing as _checkpointing
 from distsync._syncbn import health as _health
-from distsync._syncbn import host as _host
 from distsync._syncbn import moments as _moments
 from distsync._syncbn.identity import BACKWARD, COUNT, FORWARD, CallTag, SyncState, failed_row
 from distsync._syncbn.kernels import cast_if_needed, kernels_for
@@ -90,8 +88,9 @@ class SyncBatchNormFunction(torch.autograd.Function):
     the two per-channel sums of the gradient formula. The shift only moves on healthy calls, so an empty
     global batch, a NaN/Inf element or an outlier changes no later call's result (``_moments``). Weight and
     bias gradients stay local, like ``nn.SyncBatchNorm``: DistributedDataParallel averages them. Not twice
-    differentiable. On the CPU the per-channel arithmetic runs on the host (``_syncbn.host``); on other
-    devices it stays on the device, never read by the host.
+    differentiable. One forward and one backward for every device: what touches the activation is the
+    device's row of ``_syncbn.kernels``; off the CPU the reduced values stay on the device, never read by
+    the host.
     """
 
     @staticmethod
@@ -99,9 +98,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
         kernels = kernels_for(input.device)
         ctx.param_dtype = None if weight is None else weight.dtype
         ctx.call, ctx.kernels = call, kernels
-        if kernels.deferred:
-            return _device_forward(ctx, input, weight, bias, call, kernels)
-        return _host_forward(ctx, input, weight, bias, call)
+        return _forward(ctx, input, weight, bias, call, kernels)
 
     @staticmethod
     @once_differentiable
@@ -115,136 +112,28 @@ class SyncBatchNormFunction(torch.autograd.Function):
             grad_weight = zeros.to(ctx.param_dtype) if need_weight else None
             grad_bias = zeros.to(ctx.param_dtype) if need_bias else None
             return torch.empty_like(grad_output) if need_input else None, grad_weight, grad_bias, None
-        if not ctx.kernels.deferred:
-            return _host_backward(ctx, grad_output, need_input, need_weight, need_bias)
-        return _device_backward(ctx, grad_output, need_input, need_weight, need_bias)
+        return _backward(ctx, grad_output, need_input, need_weight, need_bias)
 
 
-# ----------------------------------------------------------------------------------------- the CPU
-
-
-def _host_forward(ctx, input: Tensor, weight, bias, call: SyncCall) -> Tensor:
-    state, problem = call.state, call.problem
-    count = 0 if problem is not None else input.numel() // call.channels
-    # Recomputed by activation checkpointing: the original call's statistics, no all-reduce, no update.
-    checkpointed = _checkpointing.regions() if problem is None else _checkpointing.OUTSIDE
-    part = None if problem is not None or count == 0 else _host.local(input, count, state.scratch)
-    if checkpointed.replaying is not None:
-        rows = checkpointed.replay(state, input).rows.numpy()
-        merged = _host.Merged(rows[0], rows[1], rows[2], float(rows[3, 0]))
-    else:
-        merged = _host_reduce(input, part, count, call)
-        if checkpointed.logging:
-            counts = np.full_like(merged.mean, merged.count)
-            rows = torch.from_numpy(np.stack([merged.mean, merged.var, merged.unbiased, counts]))
-            checkpointed.log(state, input, _moments.Stats(rows, rows[3, :1]))
-        if call.running_mean is not None and call.running_var is not None:
-            _host_running_stats(call, merged)
-    if part is None:  # nothing on this rank: an empty output; backward sends zeros
-        ctx.empty = True
-        return torch.empty_like(input)
-    ctx.empty = False
-    dtype = _moments.stat_dtype(input.dtype)
-    coef = _host.coefficients(merged, part.center, weight, call.eps, call.clip, dtype, state.scratch)
-    ctx.coef = coef
-    ctx.save_for_backward(part.z)
-    return _host.normalize(part.z, bias, coef)
-
-
-def _host_reduce(input: Tensor, part, count: int, call: SyncCall) -> _host.Merged:
-    """This call's global statistics (the mean absolute): its all-reduce, two where the first merge lost
-    digits (float64 inputs, merged around the shift), read on the host."""
-    state, reducer, channels = call.state, call.reducer, call.channels
-    tag = state.next_tag(FORWARD)
-    world_size = reducer.world_size
-    tail = state.host_tail(tag, world_size, reducer.first)
-    keeps_shift = input.dtype == torch.float64
-    if state.shift is not None and state.shift.device != input.device:
-        state.shift = state.shift_ref = None  # the layer moved: start again from zero
-    shift = state.shift.numpy() if keeps_shift and state.shift is not None else None
-    payload = _host.pack(part, shift, count, tail, channels, call.problem is not None)
-    # (the second all-reduce below is decided alike on every rank: not announced)
-    reducer.announce(
-        Call(FORWARD, state, channels, input.dtype, call.momentum, call.eps, call.running_mean,
-             call.running_var, call.num_batches_tracked is not None)
-    )  # fmt: skip
-    _all_reduce(reducer, torch.from_numpy(payload), tag)
-    if _host.check(payload, tag, world_size, call.problem, True) == 0:
-        nothing = np.full(channels, np.nan)
-        return _host.Merged(nothing, nothing, nothing, 0.0)
-    merged = _host.merge(payload, channels)
-    if keeps_shift and _host.costs_accuracy(merged, call.eps):
-        # Rare, decided from reduced values on every rank: merge again around this mean.
-        shift = merged.mean if shift is None else merged.mean + shift
-        shift = np.where(np.isfinite(shift), shift, 0.0)
-        payload = _host.pack(part, shift, count, tail, channels, False)
-        _all_reduce(reducer, torch.from_numpy(payload), tag)
-        _host.check(payload, tag, world_size, None, True)
-        merged = _host.merge(payload, channels)
-    if shift is None:
-        return merged
-    mean = merged.mean + shift
-    _moments.update_shift(state, torch.from_numpy(mean), torch.from_numpy(merged.var))
-    return merged._replace(mean=mean)
-
-
-def _host_running_stats(call: SyncCall, merged: _host.Merged) -> None:
-    """Move the running statistics towards this healthy call's (read on the host), as ``nn.BatchNorm``."""
-    running_mean, running_var, counted = call.running_mean, call.running_var, call.num_batches_tracked
-    if counted is not None:
-        counted.add_(1)
-    if merged.count == 0:  # an empty global batch: no statistics (0 / 0), keep the old ones
-        return
-    weight = call.momentum if call.momentum is not None else 1.0 / float(counted)
-    dtype = _buffer_math_dtype(running_mean)
-    ends = (_host.to_tensor(merged.mean, dtype), _host.to_tensor(merged.unbiased, dtype))
-    if running_mean.dtype == running_var.dtype == dtype:
-        torch._foreach_lerp_([running_mean, running_var], ends, weight)
-    else:
-        _lerp_buffers((running_mean, running_var), ends, weight, dtype)
-
-
-def _host_backward(ctx, grad_output: Tensor, need_input: bool, need_weight: bool, need_bias: bool):
-    (z,) = ctx.saved_tensors
-    coef, call = ctx.coef, ctx.call
-    sum_dy, sum_dy_xmu = _host.gradient_sums(grad_output, z, coef)
-    grad_weight = grad_bias = grad_input = None
-    if need_weight:
-        grad_weight = _host.to_tensor(coef.invstd * sum_dy_xmu, ctx.param_dtype)
-    if need_bias:
-        grad_bias = _host.to_tensor(sum_dy, ctx.param_dtype)
-    if need_input:
-        state, reducer = call.state, call.reducer
-        tag = state.next_tag(BACKWARD)
-        payload = _host.pack_sums(sum_dy, sum_dy_xmu, state.host_tail(tag, reducer.world_size, reducer.first))
-        reducer.announce(Call(BACKWARD, state, call.channels, torch.float64))
-        _all_reduce(reducer, torch.from_numpy(payload), tag)
-        _host.check(payload, tag, reducer.world_size, None, False)
-        c = call.channels
-        grad_input = _host.grad_input(grad_output, z, coef, payload[: 2 * c].reshape(2, c))
-    return grad_input, grad_weight, grad_bias, None
-
-
-# ------------------------------------------------------------------------------ CUDA and other devices
-
-
-def _device_forward(ctx, input: Tensor, weight, bias, call: SyncCall, kernels) -> Tensor:
+def _forward(ctx, input: Tensor, weight, bias, call: SyncCall, kernels) -> Tensor:
     state, problem, channels = call.state, call.problem, call.channels
     count = 0 if problem is not None else input.numel() // channels
-    local = None if problem is not None or count == 0 else kernels.local(input)
+    local = None if problem is not None or count == 0 else kernels.local(input, state.scratch)
     # Recomputed by activation checkpointing: the original call's statistics, no all-reduce, no update.
     checkpointed = _checkpointing.regions() if problem is None else _checkpointing.OUTSIDE
-    payload = None
+    payload = verdict = None
     if checkpointed.replaying is not None:
         stats = checkpointed.replay(state, input)
     else:
-        stats, payload = _device_reduce(input, local, count, call, kernels)
+        stats, payload, verdict = _reduce(input, local, count, call, kernels)
     checkpointed.log(state, input, stats)
     rows = stats.rows
-    normalized = None if local is None else kernels.normalize(local, weight, bias, rows, call.eps, call.clip)
+    normalized = None
+    if local is not None:
+        normalized = kernels.normalize(local, weight, bias, rows, call.eps, call.clip, state.scratch)
     if payload is not None and call.running_mean is not None and call.running_var is not None:
         ends = (rows[0, 0], rows[1, 1]) if normalized is None else normalized.running
-        _update_running_stats(state, call, payload, ends, guard_count=count <= 1)
+        _update_running_stats(state, call, payload, ends, verdict, count)
     if normalized is None:  # nothing on this rank: an empty output; backward sends zeros
         ctx.empty = True
         return torch.empty_like(input)
@@ -253,11 +142,15 @@ def _device_forward(ctx, input: Tensor, weight, bias, call: SyncCall, kernels) -
     return normalized.output
 
 
-def _device_reduce(
+def _reduce(
     input: Tensor, local, count: int, call: SyncCall, kernels
-) -> tuple[_moments.Stats, Tensor]:
-    """This call's global statistics (mean absolute) and its reduced payload: one all-reduce, its verdict
-    deferred to the device's health checks."""
+) -> tuple[_moments.Stats, Tensor, _moments.Verdict | None]:
+    """This call's global statistics (mean absolute), its reduced payload and, where the kernels read it at
+    the call, its verdict (else None: deferred to the device's health checks).
+
+    One all-reduce; where the verdict is read at the call (the CPU) and a float64 merge lost digits (the
+    first call far from zero, a mean that jumped), a second one around the merged mean, decided alike on
+    every rank from reduced values."""
     state, reducer, channels, eps, problem = call.state, call.reducer, call.channels, call.eps, call.problem
     tag = state.next_tag(FORWARD)
     row = state.tail(tag, reducer.world_size, reducer.first, input.device, channels)
@@ -271,21 +164,48 @@ def _device_reduce(
              call.running_var, call.num_batches_tracked is not None)
     )  # fmt: skip
     _all_reduce(reducer, payload, tag)
-    _check(payload, tag, reducer, problem, True, kernels)
+    verdict = _check(payload, tag, reducer, problem, True, kernels)
     stats = _moments.merge(payload, channels, state.scratch, eps, call.clip)
+    if verdict is not None and verdict.count and input.dtype == torch.float64:
+        if bool(_moments.costs_accuracy(stats.rows[0, 0], stats.rows[1, 0], 0.0)):
+            shift = stats.rows[0, 0] if shift is None else stats.rows[0, 0] + shift
+            shift = torch.where(shift.isfinite(), shift, 0.0)
+            payload = _pack(local, shift, count, row, channels, None)
+            _all_reduce(reducer, payload, tag)
+            _check(payload, tag, reducer, None, True, kernels)
+            stats = _moments.merge(payload, channels, state.scratch, eps, call.clip)
     mean = stats.rows[0, 0]  # relative to the shift
     if shift is not None:
         mean.add_(shift)  # now the global mean itself
     if keeps_shift:
         _moments.update_shift(state, mean, stats.rows[1, 0])
-    return stats, payload
+    return stats, payload, verdict
 
 
-def _update_running_stats(state: SyncState, call: SyncCall, payload: Tensor, ends, guard_count: bool) -> None:
-    """Move the running statistics towards this call's, by a weight that is 0 for a bad call (decided
-    on the device, from reduced values: the verdict is not read yet)."""
-    running_mean, running_var = call.running_mean, call.running_var
+def _update_running_stats(
+    state: SyncState,
+    call: SyncCall,
+    payload: Tensor,
+    ends,
+    verdict: _moments.Verdict | None,
+    local_count: int,
+) -> None:
+    """Move the running statistics towards this call's, by a weight that is 0 for a bad call: a number
+    where the verdict was read, else decided on the device from reduced values."""
+    running_mean, running_var, counted = call.running_mean, call.running_var, call.num_batches_tracked
     dtype = _buffer_math_dtype(running_mean)
+    if verdict is not None:  # a healthy call (else it raised)
+        if counted is not None:
+            counted.add_(1)
+        if verdict.count == 0:  # an empty global batch: no statistics (0 / 0), keep the old ones
+            return
+        weight = call.momentum if call.momentum is not None else 1.0 / float(counted)
+        mean, var = (end.to(dtype) for end in ends)
+        if running_mean.dtype == running_var.dtype == dtype:
+            torch._foreach_lerp_([running_mean, running_var], [mean, var], weight)
+        else:
+            _lerp_buffers((running_mean, running_var), (mean, var), weight, dtype)
+        return
     key = ("weight", running_mean.device, dtype, running_mean.numel())
     weight = state.scratch.get(key)
     if weight is None:  # one per channel: the buffers' update is then one multi-tensor kernel
@@ -293,9 +213,9 @@ def _update_running_stats(state: SyncState, call: SyncCall, payload: Tensor, end
         state.scratch[key] = weight
     # num_batches_tracked counts healthy calls only, decided from reduced values: the same on every rank,
     # the one that rejected its input included (it never gets here, and the call counts on no rank).
-    _moments.running_stat_weight(payload, call.momentum, weight, call.num_batches_tracked)
+    _moments.running_stat_weight(payload, call.momentum, weight, counted)
     mean, var = (cast_if_needed(end, dtype) for end in ends)
-    if guard_count:  # some rank may have had 0 or 1 value: statistics may be NaN, keep the old ones then
+    if local_count <= 1:  # some rank may have had 0 or 1 value: statistics may be NaN, keep the old ones then
         enough = payload[payload.numel() - _moments.TAIL + COUNT] > 1
         mean = torch.where(enough, mean, running_mean.to(dtype))
         var = torch.where(enough, var, running_var.to(dtype))
@@ -305,7 +225,7 @@ def _update_running_stats(state: SyncState, call: SyncCall, payload: Tensor, end
         _lerp_buffers((running_mean, running_var), (mean, var), weight, dtype)
 
 
-def _device_backward(ctx, grad_output: Tensor, need_input: bool, need_weight: bool, need_bias: bool):
+def _backward(ctx, grad_output: Tensor, need_input: bool, need_weight: bool, need_bias: bool):
     z, weight, count, *saved = ctx.saved_tensors
     kernels, call = ctx.kernels, ctx.call
     dy = kernels.match_layout(grad_output, z)

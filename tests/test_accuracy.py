@@ -204,7 +204,7 @@ def test_float32_two_ranks(size):
     _check(cases, run_world(_world_errors, 2, cases))
 
 
-LAYOUTS = [  # (shape, memory format, cut into blocks): every branch of _sums.blocks
+LAYOUTS = [  # (shape, memory format, cut into blocks): every branch of kernels.blocks
     ((2, 3), None, False),  # 2D, short: one block per channel
     ((2000, 5), None, True),  # 2D: blocks of rows
     ((4, 3, 7), None, False),  # short planes
@@ -221,7 +221,7 @@ LAYOUTS = [  # (shape, memory format, cut into blocks): every branch of _sums.bl
 
 @pytest.mark.parametrize(("shape", "memory_format", "cut"), LAYOUTS)
 def test_blocked_sums_equal_float64_sums_in_every_layout(shape, memory_format, cut):
-    from distsync._syncbn import sums as _sums
+    from distsync._syncbn import kernels as _sums
 
     gen = torch.Generator().manual_seed(0)
     z, dy = (torch.randn(shape, generator=gen) + 0.3 for _ in range(2))

@@ -49,7 +49,6 @@ import itertools
 from collections.abc import Iterator
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -223,7 +222,6 @@ class SyncState:
         self.shift: Tensor | None = None  # merge shift (float64), shared by every rank
         self.shift_ref: Tensor | None = None  # variance of the call the shift was judged against
         self._tables: dict = {}
-        self._host_tables: dict = {}
         self.scratch: dict = {}  # small per-device tensors reused call after call
         self.join = None  # the reducer of the Join the layer is in (distsync.join), never copied
         self.transport = None  # (process group, its reducer) of the last call, never copied
@@ -269,20 +267,6 @@ class SyncState:
             pad = payload_size(width) - 2 * width - TAIL
             table = torch.cat([table.new_zeros(_BLOCK, pad), table], dim=1)
             self._tables[key] = (block, table)
-        return table[call % _BLOCK]
-
-    def host_tail(self, tag: CallTag, world_size: int, first: bool) -> np.ndarray:
-        """The tail of call ``tag`` (no padding) as a row of a host table (the CPU's payloads are built on
-        the host): read-only, copied into the payload."""
-        modulus = call_modulus(world_size)
-        call = tag.call % modulus
-        key = (tag.direction, world_size, first)
-        block, table = self._host_tables.get(key, (None, None))
-        if block != call // _BLOCK:
-            block = call // _BLOCK
-            digits = [(tag.layer_id // modulus**i) % modulus for i in range(LAYER_DIGITS)]
-            table = _tail_table(digits, tag.direction, block * _BLOCK, world_size, first, "cpu").numpy()
-            self._host_tables[key] = (block, table)
         return table[call % _BLOCK]
 
 

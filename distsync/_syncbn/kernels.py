@@ -1,7 +1,10 @@
 """The per-device passes over the activation: local statistics, normalization, and the two backward passes.
 
-Both devices feed the same payload (local mean and biased variance per channel, ``_moments``) and read the
-same merged statistics; they differ in the kernels that touch the activation:
+One table row per device, each with the same five entries (``local``, ``normalize``, ``backward_sums``,
+``grad_input``, ``match_layout``) that :mod:`distsync.functional`'s one forward and one backward call. Every
+row feeds the same payload (local mean and biased variance per channel, ``_moments``) and reads the same
+merged statistics (float64 rows from ``_moments.merge``); they differ in the kernels that touch the
+activation:
 
 * CUDA (ROCm included: PyTorch exposes it as the ``cuda`` device type) uses the ops ``nn.SyncBatchNorm``
   uses there, read against PyTorch's ``aten/src/ATen/native/cuda/Normalization.cu``/``.cuh``: the
@@ -9,21 +12,26 @@ same merged statistics; they differ in the kernels that touch the activation:
   once to reduce and once for ``dx``. Three of those four ops exist for CUDA only.
 * The CPU normalizes the input shifted by a value near its mean (a materialized copy), because its
   batch-norm kernels compute ``x * a + b`` and would round away a mean far from zero. Its reductions
-  (``_sums``) are the float32 kernels of eval-mode BN backward, fed blocks short enough to keep
-  ``nn.BatchNorm``'s accuracy.
+  are the float32 kernels of eval-mode BN backward, fed blocks short enough to keep ``nn.BatchNorm``'s
+  accuracy (the blocked sums at the end of this module).
 * Every other device (MPS, XPU, ...) gets :class:`GenericKernels`: reductions and elementwise ops every
   backend implements, the same payload, no host sync.
 
 Off the CPU the verdict of a call is read later (``deferred``, see :mod:`.health`): reading it at
-once would stall the device's queue. Tests route the CPU through other kernels with :func:`routed`.
+once would stall the device's queue. On the CPU it is read at the call, which also lets a float64 merge
+that lost digits be redone around its own mean (``functional``). Tests route the CPU through other
+kernels with :func:`routed`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -90,7 +98,7 @@ class CudaKernels:
     keeps_any_shift = False  # the float32 statistics batch_norm_elemt takes gain nothing from a float64 shift
 
     @classmethod
-    def local(cls, input: Tensor) -> Local:
+    def local(cls, input: Tensor, scratch: dict) -> Local:
         # Normalization.cu: the kernels take contiguous, channels-last or (as TensorIterator) general
         # strides, but backward_elemt picks its template from dy's layout alone; keep to the two layouts
         # nn.SyncBatchNorm keeps to, so that input and dy can always be given the same one.
@@ -102,7 +110,9 @@ class CudaKernels:
         return Local(input, mean, var, None)
 
     @classmethod
-    def normalize(cls, local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:
+    def normalize(
+        cls, local: Local, weight, bias, rows: Tensor, eps: float, clip: bool, scratch: dict
+    ) -> Normalized:
         dtype = stat_dtype(local.z.dtype)
         # batch_norm_elemt reads mean and invstd as the accumulate type: float32 for float32 and half
         # inputs, float64 for float64 (packed_accessor_or_dummy<stat_accscalar_t>). One conversion of the
@@ -157,11 +167,111 @@ class CudaKernels:
 
 
 class CpuKernels:
-    """The CPU: verdicts are read at the call, and its passes and per-channel arithmetic are those of
-    :mod:`distsync._syncbn.host`."""
+    """The CPU: ``nn.BatchNorm``'s own kernels (``aten/src/ATen/native/cpu/batch_norm_kernel.cpp``).
+
+    Its eval-mode kernels compute ``x * a + b`` per channel, which would round away a mean far from zero, so
+    the input is shifted by a value near its mean first (``origin``: a copy). The statistics and backward's
+    two sums are eval-mode batch-norm backward's reductions over blocks short enough to keep
+    ``nn.BatchNorm``'s accuracy (:func:`moment_sums`, :func:`gradient_sums`). The per-channel scale and
+    shift are computed in float64 and rounded once, on numpy views of the merged rows: on the CPU they are
+    host memory, and a few numpy operations cost a fraction of the dispatches the same arithmetic takes in
+    torch ops. Verdicts are read at the call, for the same reason.
+    """
 
     deferred = False
-    keeps_any_shift = True
+    keeps_any_shift = False  # float32 is merged around zero: float64's digits cover what its shift loses
+
+    @staticmethod
+    def local(input: Tensor, scratch: dict) -> Local:
+        if input.dtype in _HALF:
+            # Mean and biased variance straight from the half input, without a float32 copy of it: float32
+            # scratch buffers left as they were by momentum 0 make the kernel return float32 statistics
+            # accumulated in float32 (Normalization.cpp's mixed-type path); the input's own dtype would give
+            # half statistics, whose variance overflows at std 256.
+            stats = input.new_empty((2, input.shape[1]), dtype=torch.float32)
+            mean, var = torch.batch_norm_update_stats(input, stats[0], stats[1], 0.0)
+            return Local(input, mean, var, None)
+        center = origin(input)
+        z = input - per_channel(center, input.dim())
+        sums, squares = (_host(t) for t in moment_sums(z, scratch))
+        count = z.numel() // z.shape[1]
+        mean = sums / count
+        return Local(z, torch.from_numpy(mean), torch.from_numpy(squares / count - mean * mean), center)
+
+    @staticmethod
+    def normalize(
+        local: Local, weight, bias, rows: Tensor, eps: float, clip: bool, scratch: dict
+    ) -> Normalized:
+        """``z * scale + (bias - mean * scale)`` as one eval-mode batch-norm pass (weight ``scale``, mean
+        ``mean``, variance 0 and eps 1: invstd exactly 1), the scale rounded once from float64."""
+        dtype = stat_dtype(local.z.dtype)
+        merged = rows.numpy()
+        invstd = merged[0, 1]
+        # a copy: a numpy view would pin the parameter's storage (FSDP frees and regrows it between steps)
+        scale = invstd if weight is None else invstd * weight.detach().to(torch.float64, copy=True).numpy()
+        # [scale, mean in z's coordinates, running mean, running (unbiased) variance], rounded once
+        coefficients = np.empty((4, invstd.size), dtype=_NUMPY[dtype])
+        coefficients[0] = scale
+        coefficients[1] = merged[0, 0] if local.origin is None else merged[0, 0] - _host(local.origin)
+        coefficients[2] = merged[0, 0]
+        coefficients[3] = merged[1, 1]
+        # what backward multiplies the reduced sum(dy * (z - mean)), sum(dy) and local sum(dy * (z - mean))
+        # by: -scale invstd^2 (none in channels whose variance was clipped), -scale, and invstd
+        factors = np.empty((3, invstd.size))
+        np.multiply(scale, -invstd * invstd, out=factors[0])
+        if clip:
+            factors[0] *= merged[1, 0] > eps
+        np.negative(scale, out=factors[1])
+        factors[2] = invstd
+        scale_t, mean_t, *running = (torch.from_numpy(row) for row in coefficients)
+        zeros = zeros_of(invstd.size, dtype, rows.device, scratch)
+        output = torch.batch_norm(
+            local.z, scale_t, cast_if_needed(bias, dtype), mean_t, zeros, False, 0.0, 1.0, False
+        )
+        return Normalized(output, (scale_t, mean_t, zeros, torch.from_numpy(factors)), tuple(running), eps)
+
+    @staticmethod
+    def backward_sums(
+        dy: Tensor, z: Tensor, saved, weight, need_input: bool, need_weight: bool, need_bias: bool
+    ):
+        _, mean, zeros, factors = saved
+        sum_dy, sum_dy_xmu = (_host(t) for t in gradient_sums(dy, z, mean, zeros, 1.0))
+        first, second = torch.from_numpy(sum_dy), torch.from_numpy(sum_dy_xmu)
+        if weight is None or weight.dtype not in _NUMPY:
+            return first, second, torch.from_numpy(factors.numpy()[2] * sum_dy_xmu), first
+        # the parameters' gradients rounded once, in their dtype
+        grads = np.empty((2, sum_dy.size), dtype=_NUMPY[weight.dtype])
+        np.multiply(factors.numpy()[2], sum_dy_xmu, out=grads[0], casting="same_kind")
+        grads[1] = sum_dy
+        return first, second, torch.from_numpy(grads[0]), torch.from_numpy(grads[1])
+
+    @staticmethod
+    def grad_input(dy: Tensor, z: Tensor, saved, weight, reduced: Tensor, count: Tensor, ones) -> Tensor:
+        """``dx = scale * (dy - mean(dy) - x_hat * mean(dy * x_hat))``, the means over all participants, from
+        the reduced ``sum(dy)`` and ``sum(dy * (z - mean))``: the x_hat-dependent part and the constant in
+        one eval-mode batch-norm pass of z, plus ``scale * dy``."""
+        scale, mean, zeros, factors = saved
+        terms = np.empty((2, mean.numel()), dtype=_NUMPY[mean.dtype])
+        np.multiply(factors.numpy()[:2], reduced.numpy()[::-1] / count.item(), out=terms, casting="same_kind")
+        slope, shift = torch.from_numpy(terms[0]), torch.from_numpy(terms[1])
+        result = torch.batch_norm(z, slope, shift, mean, zeros, False, 0.0, 1.0, False)
+        if dy.dtype == mean.dtype:
+            return result.addcmul_(dy, per_channel(scale, z.dim()))
+        # Half inputs with float32 statistics: a mixed-dtype addcmul_ would make float32 copies of the whole
+        # activation; mixed-precision eval-mode batch norm of dy computes scale * dy without any.
+        return result.add_(torch.batch_norm(dy, scale, None, zeros, zeros, False, 0.0, 1.0, False))
+
+    @staticmethod
+    def match_layout(dy: Tensor, z: Tensor) -> Tensor:
+        return dy
+
+
+_NUMPY = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+def _host(tensor: Tensor) -> np.ndarray:
+    """The float64 values of a small CPU tensor this module made (per-channel sums, a center)."""
+    return tensor.numpy().astype(np.float64)
 
 
 def _dense(tensor: Tensor) -> bool:
@@ -185,7 +295,7 @@ class GenericKernels:
     keeps_any_shift = True  # the statistics are those of the shifted input, as on the CPU
 
     @staticmethod
-    def local(input: Tensor) -> Local:
+    def local(input: Tensor, scratch: dict) -> Local:
         dims = [0, *range(2, input.dim())]
         if input.dtype in _HALF:  # no shift: the merge is around zero for half inputs (see functional)
             var, mean = torch.var_mean(input.float(), dims, correction=0)
@@ -196,7 +306,9 @@ class GenericKernels:
         return Local(z, mean, var, center)
 
     @staticmethod
-    def normalize(local: Local, weight, bias, rows: Tensor, eps: float, clip: bool) -> Normalized:
+    def normalize(
+        local: Local, weight, bias, rows: Tensor, eps: float, clip: bool, scratch: dict
+    ) -> Normalized:
         dtype = stat_dtype(local.z.dtype)
         mean = rows[0, 0] if local.origin is None else rows[0, 0] - local.origin
         kept = ((rows[1, 0] > eps).to(dtype),) if clip else ()
@@ -240,6 +352,145 @@ class GenericKernels:
     @staticmethod
     def match_layout(dy: Tensor, z: Tensor) -> Tensor:
         return dy
+
+
+# ------------------------------------------------------------------------- the CPU's blocked sums
+#
+# Per-channel sums over an activation on the CPU, as accurate as ``nn.BatchNorm``'s, in one pass.
+#
+# The CPU path gets its local moments, ``sum(z)`` and ``sum(z^2)``, and backward's ``sum(dy)`` and
+# ``sum(dy * x_hat)`` from one eval-mode ``native_batch_norm_backward`` pass (the reductions eval-mode BN
+# backward computes). Read against PyTorch's ``aten/src/ATen/native/cpu/batch_norm_kernel.cpp``, its float32
+# kernels accumulate in float32 where the activation is long: a whole ``(n, c)`` plane in one vector of
+# accumulators (contiguous layout), or every row of the batch (channels-last layout), and round each
+# channel's total to float32. The local variance ``E[z^2] - E[z]^2`` then inherits that error, amplified by
+# the shift's distance from the mean: 2e-5 at 4M values per channel in 1024x1024 planes, where
+# ``nn.BatchNorm``'s forward accumulates in float64.
+#
+# So the same kernel is given a view of the same memory in which each "channel" is a block of one channel's
+# values: runs of at most ``RUN`` contiguous values of a plane, or at most ``ROWS`` rows of a channels-last
+# batch. Each block's float32 accumulation stays short, and the blocks' float32 totals are summed per channel
+# in float64, so that their roundings average out. The same pass, the same kernel, no copy of the activation;
+# the partials are 1/256 of it (1/36 at most). Short planes and batches, other layouts, a ``dy`` laid out
+# unlike the input, and other dtypes (float64 accumulates in float64; half inputs' float32 accumulation is
+# far finer than their own rounding) are reduced as they are, one block per channel.
+
+RUN = 256  # longest run of a plane summed in float32 (the kernel adds up runs of several samples in float64)
+ROWS = 1024  # most rows of a channels-last batch summed in float32 (more blocks would spill the L1 cache)
+SPAN = 64  # fewest values per block worth a partial (the partials stay <= 1/SPAN of the activation)
+_PRIMES = (2, 3, 5, 7)
+_backward = torch.ops.aten.native_batch_norm_backward
+
+
+class Blocks(NamedTuple):
+    """A view of an activation of ``C`` channels as ``outer * C * inner`` blocks, each reduced alone."""
+
+    size: tuple[int, ...]  # the view fed to the kernel: (rows, blocks, run) or (1, blocks, rows, 1)
+    stride: tuple[int, ...]
+    split: tuple[int, int, int]  # blocks = outer x C x inner, in memory order
+
+    def view(self, tensor: Tensor) -> Tensor:
+        return tensor.as_strided(self.size, self.stride, tensor.storage_offset())
+
+    def per_block(self, values: Tensor) -> Tensor:
+        """``(k, C)`` per-channel values repeated for each block: ``(k, blocks)``."""
+        outer, channels, inner = self.split
+        k = values.shape[0]
+        return values.view(k, 1, channels, 1).expand(k, outer, channels, inner).reshape(k, -1)
+
+    def per_channel(self, partials: Tensor) -> Tensor:
+        """``(k, blocks)`` float32 partial sums to ``(k, C)`` float64 totals."""
+        outer, channels, inner = self.split
+        return partials.view(-1, outer, channels, inner).sum((1, 3), dtype=torch.float64)
+
+
+def _split(total: int, limit: int) -> tuple[int, int]:
+    """``total = kept * moved`` with ``kept <= limit`` where small prime factors allow it (else as close)."""
+    kept, moved = total, 1
+    while kept > limit:
+        prime = next((p for p in _PRIMES if kept % p == 0), None)
+        if prime is None:
+            break
+        kept, moved = kept // prime, moved * prime
+    return kept, moved
+
+
+def _row_major(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether ``sizes``/``strides`` lay the elements out densely in this order (size-1 dims ignored)."""
+    expected = 1
+    for size, stride in zip(reversed(sizes), reversed(strides), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def blocks(sizes: tuple[int, ...], strides: tuple[int, ...]) -> Blocks | None:
+    """How to cut an activation of ``sizes`` (N, C, *) and ``strides`` into blocks: contiguous planes longer
+    than ``RUN`` into runs of at most ``RUN`` values (grouped over samples into blocks of at least ``SPAN``
+    values), channels-last (and 2D) batches of more than ``ROWS`` rows into blocks of at most ``ROWS`` rows;
+    None where the kernel's own float32 accumulation is already that short, or for any other layout."""
+    samples, channels = sizes[0], sizes[1]
+    plane = math.prod(sizes[2:])
+    if plane > 1 and _row_major(sizes, strides):
+        run, inner = _split(plane, RUN)
+        if inner == 1:
+            return None
+        rows, outer = 1, samples  # sample n = row * outer + o: the kernel adds a block's rows in float64
+        while rows * run < SPAN and outer > 1:
+            prime = next((p for p in _PRIMES if outer % p == 0), outer)
+            rows, outer = rows * prime, outer // prime
+        count = outer * channels * inner
+        return Blocks((rows, count, run), (count * run, run, 1), (outer, channels, inner))
+    if _row_major((samples, *sizes[2:], channels), (strides[0], *strides[2:], strides[1])):
+        height, outer = _split(samples * plane, ROWS)  # channels-last, or 2D: rows of C values
+        if outer == 1:
+            return None
+        count = outer * channels
+        # A channels-last 4D view, so that the kernel adds each block's rows in its vectorized row loop.
+        return Blocks((1, count, height, 1), (count * height, 1, count, count), (outer, channels, 1))
+    return None
+
+
+def _cut(z: Tensor) -> Blocks | None:
+    return blocks(tuple(z.shape), tuple(z.stride())) if z.dtype == torch.float32 else None
+
+
+def moment_sums(z: Tensor, scratch: dict) -> tuple[Tensor, Tensor]:
+    """``sum(z)`` and ``sum(z^2)`` per channel of ``z`` (float32 or float64), in one pass: float64 when summed
+    in blocks, else in ``z``'s dtype (the kernel's float64 accumulation rounded once)."""
+    cut = _cut(z)
+    view = z if cut is None else cut.view(z)
+    zeros = zeros_of(view.shape[1], z.dtype, z.device, scratch)
+    # Eval-mode BN backward of dy = z at the input z, around mean 0 with invstd 1 / sqrt(0 + 1): the bias
+    # gradient is sum(dy) = sum(z), the weight gradient sum(dy * z) = sum(z^2).
+    _, squares, sums = _backward(view, view, None, zeros, zeros, None, None, False, 1.0, [False, True, True])
+    if cut is None:
+        return sums, squares
+    return cut.per_channel(torch.stack([sums, squares])).unbind()
+
+
+def zeros_of(channels: int, dtype: torch.dtype, device: torch.device, scratch: dict) -> Tensor:
+    """Per-channel zeros kept in ``scratch`` (a layer's): read-only arguments of the kernels."""
+    key = ("zeros", channels, dtype, device)
+    zeros = scratch.get(key)
+    if zeros is None:
+        zeros = scratch[key] = torch.zeros(channels, dtype=dtype, device=device)
+    return zeros
+
+
+def gradient_sums(dy: Tensor, z: Tensor, mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``sum(dy)`` and ``sum(dy * x_hat)`` per channel, ``x_hat = (z - mean) / sqrt(var + eps)``, in one pass
+    over ``dy`` and ``z``: float64 when summed in blocks, else in the statistics' dtype (``mean``'s)."""
+    cut = _cut(z) if dy.stride() == z.stride() else None  # blocks need both in one layout
+    if cut is not None:
+        mean, var = cut.per_block(torch.stack([mean, var])).unbind()
+        dy, z = cut.view(dy), cut.view(z)
+    _, sum_dy_xhat, sum_dy = _backward(dy, z, None, mean, var, None, None, False, eps, [False, True, True])
+    if cut is None:
+        return sum_dy, sum_dy_xhat
+    return cut.per_channel(torch.stack([sum_dy, sum_dy_xhat])).unbind()
 
 
 Kernels = type[CudaKernels] | type[CpuKernels] | type[GenericKernels]
