@@ -13,7 +13,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from distsync import DistSyncBatchNorm2d
-from distsync._syncbn.identity import payload_size
+from distsync._syncbn.payload import payload_size
 from distsync.testing import allocations
 
 Shape = tuple[int, int, int, int]

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 import distsync
-from distsync._syncbn.identity import payload_size
+from distsync._syncbn.payload import payload_size
 from distsync.testing import allocations
 
 BLOCKS, CHANNELS, SIZE, BATCH, CLASSES = 7, 32, 32, 16, 10

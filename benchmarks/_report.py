@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from distsync._syncbn.identity import payload_size
+from distsync._syncbn.payload import payload_size
 
 LAYER_TARGET, LAYER_GOAL = 1.5, 1.15
 MODEL_TARGET, MODEL_GOAL = 1.25, 1.10

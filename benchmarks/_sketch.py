@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from distsync._syncbn.identity import TAIL, payload_size  # the payload's size class and tail length
+from distsync._syncbn.payload import TAIL, payload_size  # the payload's size class and tail length
 
 _reduce = torch.ops.aten.native_batch_norm_backward  # eval-mode BN backward: per-channel sums in one kernel
 

@@ -98,7 +98,7 @@ def _sketch_fwd_bwd(native: nn.BatchNorm2d, x: torch.Tensor, grad: torch.Tensor)
 def measure(base_dir: str | None, quick: bool) -> list[dict]:
     """On every rank: the host time of each case's variants; rank 0's rows are returned."""
     from distsync import DistSyncBatchNorm2d
-    from distsync._syncbn.identity import payload_size
+    from distsync._syncbn.payload import payload_size
 
     torch.manual_seed(0)
     layers = {"distsync": DistSyncBatchNorm2d}

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from distsync._syncbn.identity import payload_size
+from distsync._syncbn.payload import payload_size
 
 
 @dataclass(frozen=True)

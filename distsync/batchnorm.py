@@ -18,7 +18,7 @@ from distsync import _torch_compat
 from distsync._syncbn import checkpointing as _checkpointing
 from distsync._syncbn import compiled as _compiled
 from distsync._syncbn import fx as _fx
-from distsync._syncbn.identity import SyncState
+from distsync._syncbn.payload import SyncState
 from distsync._syncbn.transport import Reducer, process_group_reducer
 from distsync._syncbn.unwrapped import meet_callers
 from distsync.functional import SyncBatchNormFunction, SyncCall
@@ -282,7 +282,8 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
         return reducer
 
     def forward(self, input: Tensor) -> Tensor:
-        if _fx.is_proxy(input):  # symbolically traced: one call_module node, like nn.BatchNorm's
+        # symbolically traced (a proxy is no tensor): one call_module node, like nn.BatchNorm's
+        if not isinstance(input, Tensor) and _fx.is_proxy(input):
             return _fx.leaf_call(self, input)
         if self.training:  # distsync's own ops: selective activation checkpointing sees none of them
             return _checkpointing.outside_selective(self._training_forward, input)

@@ -10,9 +10,9 @@ from torch.autograd.function import once_differentiable
 
 from distsync._syncbn import checkpointing as _checkpointing
 from distsync._syncbn import health as _health
-from distsync._syncbn import moments as _moments
-from distsync._syncbn.identity import BACKWARD, COUNT, FORWARD, CallTag, SyncState, failed_row
+from distsync._syncbn import payload as _payload
 from distsync._syncbn.kernels import cast_if_needed, kernels_for
+from distsync._syncbn.payload import BACKWARD, COUNT, FORWARD, CallTag, SyncState, failed_row
 from distsync._syncbn.transport import Call, Reducer
 from distsync.errors import SyncError
 
@@ -46,15 +46,15 @@ def _all_reduce(reducer: Reducer, payload: Tensor, tag: CallTag) -> None:
 
 def _check(
     payload: Tensor, tag: CallTag, reducer: Reducer, problem: str | None, training: bool, kernels
-) -> _moments.Verdict | None:
+) -> _payload.Verdict | None:
     """Raise now on the CPU, where the reduced values cost nothing to read, and return the (healthy)
     verdict; elsewhere (and under ``torch.compile``, which must not read them) defer the check to
     ``_health`` and return None."""
-    tail = payload[payload.numel() - _moments.TAIL :]
+    tail = payload[payload.numel() - _payload.TAIL :]
     world_size = reducer.world_size
     if not (kernels.deferred or torch.compiler.is_compiling()):
-        verdict = _moments.verdict(tail.tolist(), world_size)
-        _moments.raise_for(verdict, tag, world_size, problem, training)
+        verdict = _payload.verdict(tail.tolist(), world_size)
+        _payload.raise_for(verdict, tag, world_size, problem, training)
         return verdict
     if problem is not None:  # this rank knows already; the others learn it from the reduced flag
         raise ValueError(problem)
@@ -86,7 +86,7 @@ class SyncBatchNormFunction(torch.autograd.Function):
 
     Forward reduces per-channel count, mean and variance as shifted moment sums (float64); backward reduces
     the two per-channel sums of the gradient formula. The shift only moves on healthy calls, so an empty
-    global batch, a NaN/Inf element or an outlier changes no later call's result (``_moments``). Weight and
+    global batch, a NaN/Inf element or an outlier changes no later call's result (``_payload``). Weight and
     bias gradients stay local, like ``nn.SyncBatchNorm``: DistributedDataParallel averages them. Not twice
     differentiable. One forward and one backward for every device: what touches the activation is the
     device's row of ``_syncbn.kernels``; off the CPU the reduced values stay on the device, never read by
@@ -144,7 +144,7 @@ def _forward(ctx, input: Tensor, weight, bias, call: SyncCall, kernels) -> Tenso
 
 def _reduce(
     input: Tensor, local, count: int, call: SyncCall, kernels
-) -> tuple[_moments.Stats, Tensor, _moments.Verdict | None]:
+) -> tuple[_payload.Stats, Tensor, _payload.Verdict | None]:
     """This call's global statistics (mean absolute), its reduced payload and, where the kernels read it at
     the call, its verdict (else None: deferred to the device's health checks).
 
@@ -165,20 +165,20 @@ def _reduce(
     )  # fmt: skip
     _all_reduce(reducer, payload, tag)
     verdict = _check(payload, tag, reducer, problem, True, kernels)
-    stats = _moments.merge(payload, channels, state.scratch, eps, call.clip)
+    stats = _payload.merge(payload, channels, state.scratch, eps, call.clip)
     if verdict is not None and verdict.count and input.dtype == torch.float64:
-        if bool(_moments.costs_accuracy(stats.rows[0, 0], stats.rows[1, 0], 0.0)):
+        if bool(_payload.costs_accuracy(stats.rows[0, 0], stats.rows[1, 0], 0.0)):
             shift = stats.rows[0, 0] if shift is None else stats.rows[0, 0] + shift
             shift = torch.where(shift.isfinite(), shift, 0.0)
             payload = _pack(local, shift, count, row, channels, None)
             _all_reduce(reducer, payload, tag)
             _check(payload, tag, reducer, None, True, kernels)
-            stats = _moments.merge(payload, channels, state.scratch, eps, call.clip)
+            stats = _payload.merge(payload, channels, state.scratch, eps, call.clip)
     mean = stats.rows[0, 0]  # relative to the shift
     if shift is not None:
         mean.add_(shift)  # now the global mean itself
     if keeps_shift:
-        _moments.update_shift(state, mean, stats.rows[1, 0])
+        _payload.update_shift(state, mean, stats.rows[1, 0])
     return stats, payload, verdict
 
 
@@ -187,7 +187,7 @@ def _update_running_stats(
     call: SyncCall,
     payload: Tensor,
     ends,
-    verdict: _moments.Verdict | None,
+    verdict: _payload.Verdict | None,
     local_count: int,
 ) -> None:
     """Move the running statistics towards this call's, by a weight that is 0 for a bad call: a number
@@ -213,10 +213,10 @@ def _update_running_stats(
         state.scratch[key] = weight
     # num_batches_tracked counts healthy calls only, decided from reduced values: the same on every rank,
     # the one that rejected its input included (it never gets here, and the call counts on no rank).
-    _moments.running_stat_weight(payload, call.momentum, weight, counted)
+    _payload.running_stat_weight(payload, call.momentum, weight, counted)
     mean, var = (cast_if_needed(end, dtype) for end in ends)
     if local_count <= 1:  # some rank may have had 0 or 1 value: statistics may be NaN, keep the old ones then
-        enough = payload[payload.numel() - _moments.TAIL + COUNT] > 1
+        enough = payload[payload.numel() - _payload.TAIL + COUNT] > 1
         mean = torch.where(enough, mean, running_mean.to(dtype))
         var = torch.where(enough, var, running_var.to(dtype))
     if running_mean.dtype == running_var.dtype == dtype:
@@ -255,7 +255,7 @@ def sync_backward_sums(state: SyncState, reducer: Reducer, kernels, first: Tenso
     summed over the participants, as a (2, C) view of the payload."""
     tag = state.next_tag(BACKWARD)
     row = state.tail(tag, reducer.world_size, reducer.first, first.device, first.numel())
-    payload = _moments.pack_sums(first, second, row)
+    payload = _payload.pack_sums(first, second, row)
     reducer.announce(Call(BACKWARD, state, first.numel(), first.dtype))
     _all_reduce(reducer, payload, tag)
     _check(payload, tag, reducer, None, False, kernels)
@@ -275,9 +275,9 @@ def _pack(local, shift: Tensor | None, count: int, row: Tensor, channels: int, p
     if local is None:
         zeros = row.new_zeros(channels)
         if problem is not None:
-            return _moments.pack_sums(zeros, zeros, failed_row(row))
-        return _moments.pack_moments(zeros, zeros, None, 0, row)
-    return _moments.pack_moments(local.mean, local.var, _base(shift, local), count, row)
+            return _payload.pack_sums(zeros, zeros, failed_row(row))
+        return _payload.pack_moments(zeros, zeros, None, 0, row)
+    return _payload.pack_moments(local.mean, local.var, _base(shift, local), count, row)
 
 
 def _base(shift: Tensor | None, local) -> Tensor | None:

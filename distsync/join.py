@@ -48,7 +48,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distsync import _torch_compat, batchnorm
 from distsync._syncbn.ddp_buffers import leave_out_of_broadcast
-from distsync._syncbn.identity import BACKWARD, FORWARD, stamp_paths
+from distsync._syncbn.identity import resolve, stamp_paths
+from distsync._syncbn.payload import BACKWARD, FORWARD
 from distsync._syncbn.subclass import original_class
 from distsync._syncbn.transport import Call, ProcessGroupReducer
 from distsync.batchnorm import DistSyncBatchNorm
@@ -155,7 +156,7 @@ class _SyncedLayersJoinable(Joinable):
         for layer in self._layers:
             state = layer._sync_state
             if state.identity is None:
-                state.resolve(layer, layer.num_features)
+                resolve(layer, layer.num_features)
             state.join = self._reducer
         self._places = {id(layer._sync_state): place for place, layer in enumerate(self._layers)}
 
@@ -299,7 +300,7 @@ class _SyncedLayersJoinable(Joinable):
             return
         state = layer._sync_state
         if state.identity is None:
-            state.resolve(layer, layer.num_features)
+            resolve(layer, layer.num_features)
         callers = _torch_compat.modules_being_called()  # outermost first
         holder = next((m for m in callers if m is not layer and any(x is layer for x in m.modules())), None)
         holding = (

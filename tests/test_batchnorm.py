@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import distsync
-from distsync._syncbn.identity import payload_size
+from distsync._syncbn.payload import payload_size
 from distsync.check import Case, default_cases, run_case, tolerance
 from distsync.testing import allocations, run_world
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from distsync._syncbn.identity import TAIL
+from distsync._syncbn.payload import TAIL
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "_sketch.py"
 

@@ -154,7 +154,7 @@ def test_captured_calls_do_no_host_work_and_are_checked_by_check_sync():
 
 def _runtime_pending(ready_after: int):
     """A monitor fed 2 * lag CPU tails with fake streams whose events are ready after ``ready_after``."""
-    from distsync._syncbn import identity as _identity
+    from distsync._syncbn import payload as _payload
     from distsync._syncbn.trace import FakeRuntime
 
     class Slow(FakeRuntime):
@@ -165,13 +165,13 @@ def _runtime_pending(ready_after: int):
 
     runtime = Slow()
     monitor = _health._Monitor()
-    state = _identity.SyncState("'bn' (DistSyncBatchNorm)")
+    state = _payload.SyncState("'bn' (DistSyncBatchNorm)")
     state.identity = 7
     payloads = []
     for _ in range(2 * _health._LAG):
-        tag = state.next_tag(_identity.FORWARD)
+        tag = state.next_tag(_payload.FORWARD)
         row = state.tail(tag, 2, True, torch.device("cpu"), 1)
-        payloads.append((row[row.numel() - _identity.TAIL :] * 2, tag))
+        payloads.append((row[row.numel() - _payload.TAIL :] * 2, tag))
     return runtime, monitor, payloads
 
 

@@ -9,7 +9,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 import distsync
-from distsync._syncbn.identity import (
+from distsync._syncbn.identity import layer_hash, layer_path
+from distsync._syncbn.payload import (
     CALL,
     IDENTITY,
     MAX_WORLD_SIZE,
@@ -17,11 +18,9 @@ from distsync._syncbn.identity import (
     TAIL,
     SyncState,
     call_modulus,
-    layer_hash,
-    layer_path,
     payload_size,
+    verdict,
 )
-from distsync._syncbn.moments import verdict
 from distsync.testing import run_world
 
 

@@ -12,8 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import distsync
-from distsync._syncbn.identity import SyncState
-from distsync._syncbn.moments import SHIFT_JUMP, update_shift
+from distsync._syncbn.payload import SHIFT_JUMP, SyncState, update_shift
 from distsync.testing import run_world
 
 PER_RANK = 3
@@ -165,7 +164,7 @@ def test_shift_rules_without_a_world():
 
 def test_payload_size_classes():
     """Every width up to 120 channels shares one size; above, a class costs at most twice the bytes."""
-    from distsync._syncbn.identity import MIN_PAYLOAD, TAIL, payload_size
+    from distsync._syncbn.payload import MIN_PAYLOAD, TAIL, payload_size
 
     assert {payload_size(c) for c in range(1, 121)} == {MIN_PAYLOAD}
     for c in range(1, 5000, 7):

@@ -41,7 +41,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import Tensor
 
 from distsync import _torch_compat
-from distsync._syncbn.moments import Stats
+from distsync._syncbn.payload import Stats
 
 __all__ = ["OUTSIDE", "CheckpointError", "Regions", "copies", "outside_selective", "regions", "replaying"]
 

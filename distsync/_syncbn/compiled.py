@@ -8,7 +8,7 @@ whose backward is the all-reduce of the payload's gradient: autograd derives the
 mutated in the graph: the call counter of the tail and the verdict flag.
 
 Outside the traced code, at trace time, :func:`prepare` resolves the layer's identity (the same as in
-eager mode: ``SyncState.resolve``) and the tail template; the tensors are the layer's ``Counters``, made
+eager mode: ``identity.resolve``) and the tail template; the tensors are the layer's ``Counters``, made
 with it and moved with it. Verdicts are never read in the graph:
 the first bad call's reduced tail is kept on the device and raised by :func:`distsync.check_sync`, which
 every rank calls at the same point. Limits: the backward all-reduce carries no identity tail (the forward
@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from distsync import _torch_compat
-from distsync._syncbn import moments as _moments
-from distsync._syncbn.identity import (
+from distsync._syncbn import payload as _payload
+from distsync._syncbn.payload import (
     CALL,
     COUNT,
     FORWARD,
@@ -148,7 +148,7 @@ def sync_batch_norm(
     c = channels
     nd = input.dim()
     dims = [0, *range(2, nd)]
-    dtype = _moments.stat_dtype(input.dtype)
+    dtype = _payload.stat_dtype(input.dtype)
     n = input.numel() // c
     # The eager payload's layout, [n m, n (v + m^2) | tail], as float64 sums around zero
     # (inductor fuses the upcast into the reductions): a mean 10^k standard deviations from zero costs 2k
@@ -253,4 +253,4 @@ def check() -> None:
         t.bad.fill_(False)
         call = int(round(tail[CALL] / world_size))
         tag = CallTag(layer._sync_state.identity or 0, FORWARD, call, name)
-        _moments.raise_for(_moments.verdict(tail, world_size), tag, world_size, None, True)
+        _payload.raise_for(_payload.verdict(tail, world_size), tag, world_size, None, True)

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from distsync import _torch_compat
-from distsync._syncbn.identity import SyncState
+from distsync._syncbn.payload import SyncState
 
 __all__ = ["leave_out_of_broadcast"]
 

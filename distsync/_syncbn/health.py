@@ -15,7 +15,7 @@ acts at the full timeout) takes the process down.
 
 While a CUDA graph is being captured nothing is queued, copied or waited for (no host work is allowed
 then): the tails of captured calls, rewritten by every replay, are read by :func:`check_sync` instead.
-Running statistics are protected on the device meanwhile (see ``_moments.running_stat_weight``).
+Running statistics are protected on the device meanwhile (see ``_payload.running_stat_weight``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from distsync._syncbn import compiled as _compiled
-from distsync._syncbn import moments as _moments
-from distsync._syncbn.identity import CallTag
+from distsync._syncbn import payload as _payload
+from distsync._syncbn.payload import CallTag
 from distsync.errors import SyncError
 
 __all__ = ["check_sync"]
@@ -166,8 +166,8 @@ def _wait(job: _InFlight) -> None:
 
 def _raise_first(job: _InFlight) -> None:
     for call, tail in zip(job.calls, job.host.tolist(), strict=True):
-        result = _moments.verdict(tail, call.world_size)
-        _moments.raise_for(result, call.tag, call.world_size, None, call.training)
+        result = _payload.verdict(tail, call.world_size)
+        _payload.raise_for(result, call.tag, call.world_size, None, call.training)
 
 
 _monitor = _Monitor()

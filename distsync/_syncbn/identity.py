@@ -31,78 +31,18 @@ checkpoint wrappers' inner module) are left out, so a wrapper on some ranks only
 are from the root, so ``model.encoder(x)`` and ``model.decoder(y)`` called directly are told apart.
 Two separately converted models of one structure are indistinguishable by construction: name them with
 :func:`name_layers` if ranks may call them in different orders.
-
-Every call adds ``[layer (4 digits), direction, call]`` and their squares to the payload tail: after a
-SUM over W participants, ``(sum t)^2 == W sum(t^2)`` for each field iff all sent the same value. The values
-are kept below a modulus ``m`` with ``6 (W m)^2 < 2^53``, so float64 holds every term exactly; the layer
-hash is written as four base-``m`` digits (all 64 bits for ``m >= 2^16``, i.e. up to 590 ranks).
-
-Tails live on the device in small per-layer tables (a block of consecutive calls per direction), so a call
-selects its tail as a view: no host-to-device copy per call.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import itertools
 from collections.abc import Iterator
-from typing import NamedTuple
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
 from distsync import _torch_compat
+from distsync._syncbn.payload import SyncState
 
-# Tail slots: [count | failed | layer digits (4), direction, call | their squares | guard].
-COUNT, FAILED = 0, 1
-LAYER_DIGITS = 4
-LAYER, DIRECTION, CALL = 2, 2 + LAYER_DIGITS, 3 + LAYER_DIGITS
-_FIELDS = LAYER_DIGITS + 2
-IDENTITY, SQUARES = slice(2, 2 + _FIELDS), slice(2 + _FIELDS, 2 + 2 * _FIELDS)
-GUARD = 2 + 2 * _FIELDS
-TAIL = GUARD + 1
-FORWARD, BACKWARD = 0, 1
-_DIRECTIONS = ("forward", "backward")
-_BLOCK = 64  # calls per tail table
-_EXACT = 2**53 / _FIELDS  # (W m)^2 must stay below this
-MAX_WORLD_SIZE = int(_EXACT**0.5) // _BLOCK
-
-
-MIN_PAYLOAD = 256
-
-
-def payload_size(num_channels: int) -> int:
-    """Length of a sync payload for ``num_channels`` channels: ``2C + TAIL`` rounded up to its size class,
-    a power of two of at least ``MIN_PAYLOAD`` (see :mod:`distsync._syncbn.moments`)."""
-    return max(MIN_PAYLOAD, 1 << (2 * num_channels + TAIL - 1).bit_length())
-
-
-@functools.cache
-def call_modulus(world_size: int) -> int:
-    """Largest multiple of the table block (at most 2^20) with ``6 (W m)^2 < 2^53``."""
-    if world_size > MAX_WORLD_SIZE:
-        raise ValueError(
-            f"distsync's exact desync check supports at most {MAX_WORLD_SIZE} participants per "
-            f"synchronized layer, got {world_size}; sync within smaller process groups"
-        )
-    bound = int((_EXACT**0.5) / world_size)
-    return min(1 << 20, bound - bound % _BLOCK)
-
-
-class CallTag(NamedTuple):
-    """Which layer, direction and call of that layer a payload belongs to (identical on every rank)."""
-
-    layer_id: int
-    direction: int
-    call: int
-    layer_name: str
-
-    def describe(self) -> str:
-        return f"{self.layer_name}, {_DIRECTIONS[self.direction]} call #{self.call}"
-
-
-# Slots through which a wrapper holds the module it wraps: not part of a path.
 _WRAPPER_SLOTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
 
 
@@ -192,111 +132,10 @@ def name_layers(module: nn.Module, name: str) -> nn.Module:
     return module
 
 
-_BUILT = itertools.count()  # synchronized layers built in this process, in order
-
-
-class SyncState:
-    """A synchronized layer's identity, call counts and device-side tails, plus its merge shift.
-
-    Copies start with fresh counts and no cached tensors, and keep the path stamp and explicit name. A
-    deep copy also counts one more generation (``copies``), so a teacher copied from a student never
-    passes for it in the desync check; an unpickled layer counts as built (``copies == 0``), so a model
-    loaded whole on one rank matches the model built on another.
-    """
-
-    def __init__(
-        self,
-        layer_name: str = "",
-        copies: int = 0,
-        path: str | None = None,
-        name: str | None = None,
-        built: int | None = None,
-    ) -> None:
-        self.layer_name = layer_name  # for messages, once the identity is known
-        self.copies = copies  # deep copies between this layer and one built or unpickled
-        self.path = path  # stamped by conversion or at the first call; kept by pickles and copies
-        self.name = name  # explicit name (name_layers), preferred to any path
-        self.built = next(_BUILT) if built is None else built  # the name of a layer with no path
-        self.identity: int | None = None
-        self.calls = [0, 0]
-        self.shift: Tensor | None = None  # merge shift (float64), shared by every rank
-        self.shift_ref: Tensor | None = None  # variance of the call the shift was judged against
-        self._tables: dict = {}
-        self.scratch: dict = {}  # small per-device tensors reused call after call
-        self.join = None  # the reducer of the Join the layer is in (distsync.join), never copied
-        self.transport = None  # (process group, its reducer) of the last call, never copied
-
-    def __deepcopy__(self, memo) -> SyncState:
-        return SyncState(self.layer_name, self.copies + 1, self.path, self.name, self.built)
-
-    def __getstate__(self) -> dict:
-        return {"layer_name": self.layer_name, "path": self.path, "name": self.name}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state.get("layer_name", ""), 0, state.get("path"), state.get("name"))
-
-    def fresh_copy(self) -> SyncState:
-        """Same identity and counts, own tables (for a replica that syncs on its own)."""
-        copy = SyncState(self.layer_name, self.copies, self.path, self.name, self.built)
-        copy.identity, copy.calls = self.identity, list(self.calls)
-        return copy
-
-    def resolve(self, layer: nn.Module, num_features: int) -> None:
-        """Fix the identity of ``layer`` (at its first synchronized call)."""
-        path = layer_path(layer)
-        self.identity = layer_hash(path, num_features, self.copies)
-        kind = type(layer).__name__
-        self.layer_name = f"'{path}' ({kind})" if path else kind
-
-    def next_tag(self, direction: int) -> CallTag:
-        call = self.calls[direction]
-        self.calls[direction] = call + 1
-        return CallTag(self.identity or 0, direction, call, self.layer_name or "synchronized BN layer")
-
-    def tail(self, tag: CallTag, world_size: int, first: bool, device: torch.device, width: int) -> Tensor:
-        """The end of call ``tag``'s payload for ``width`` channels: the zeros that pad it to its size class,
-        then the tail (count slot 1 in forward, else 0). A view into a device table: no copy per call."""
-        modulus = call_modulus(world_size)
-        call = tag.call % modulus
-        key = (tag.direction, world_size, first, device, width)
-        block, table = self._tables.get(key, (None, None))
-        if block != call // _BLOCK:
-            block = call // _BLOCK
-            digits = [(tag.layer_id // modulus**i) % modulus for i in range(LAYER_DIGITS)]
-            table = _tail_table(digits, tag.direction, block * _BLOCK, world_size, first, device)
-            pad = payload_size(width) - 2 * width - TAIL
-            table = torch.cat([table.new_zeros(_BLOCK, pad), table], dim=1)
-            self._tables[key] = (block, table)
-        return table[call % _BLOCK]
-
-
-def _tail_table(
-    digits: list[int], direction: int, start: int, world_size: int, first: bool, device
-) -> Tensor:
-    """Tails of ``_BLOCK`` consecutive calls, built on the device from host scalars (no copy)."""
-    calls = torch.arange(start, start + _BLOCK, dtype=torch.float64, device=device)
-    constant = calls.new_zeros(()).expand(_BLOCK)
-    squares = calls * calls
-    fixed = [*digits, direction]
-    fixed_squares = float(sum(v * v for v in fixed))
-    guard = torch.add(squares, fixed_squares).mul_(-world_size).add_(1.0 if first else 0.0)
-    columns = [
-        constant + (1.0 if direction == FORWARD else 0.0),
-        constant,
-        *(constant + float(v) for v in fixed),
-        calls,
-        *(constant + float(v * v) for v in fixed),
-        squares,
-        guard,
-    ]
-    return torch.stack(columns, dim=1)
-
-
-def failed_row(row: Tensor) -> Tensor:
-    """``row`` for a participant that rejected its input: failed set, guard lowered, count 0."""
-    failed = row.clone()
-    tail = failed[failed.numel() - TAIL :]
-    tail[COUNT] = 0.0
-    tail[FAILED] = 1.0
-    tail[GUARD] -= 1.0
-    return failed
+def resolve(layer: nn.Module, num_features: int) -> None:
+    """Fix the identity of ``layer`` (at its first synchronized call): its path hashed with its width and
+    copies, and the name its errors give."""
+    state = layer._sync_state
+    path = layer_path(layer)
+    state.identity = layer_hash(path, num_features, state.copies)
+    state.layer_name = f"'{path}' ({type(layer).__name__})" if path else type(layer).__name__

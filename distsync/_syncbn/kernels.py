@@ -2,8 +2,8 @@
 
 One table row per device, each with the same five entries (``local``, ``normalize``, ``backward_sums``,
 ``grad_input``, ``match_layout``) that :mod:`distsync.functional`'s one forward and one backward call. Every
-row feeds the same payload (local mean and biased variance per channel, ``_moments``) and reads the same
-merged statistics (float64 rows from ``_moments.merge``); they differ in the kernels that touch the
+row feeds the same payload (local mean and biased variance per channel, ``_payload``) and reads the same
+merged statistics (float64 rows from ``_payload.merge``); they differ in the kernels that touch the
 activation:
 
 * CUDA (ROCm included: PyTorch exposes it as the ``cuda`` device type) uses the ops ``nn.SyncBatchNorm``
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from distsync._syncbn.moments import stat_dtype
+from distsync._syncbn.payload import stat_dtype
 
 _HALF = (torch.float16, torch.bfloat16)
 

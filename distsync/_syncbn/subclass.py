@@ -150,7 +150,8 @@ def _refuse(layer: DistSyncBatchNorm, args: tuple) -> None:
 
 def _twin_forward(twin: type):
     def forward(self, *args, **kwargs):
-        if args and _fx.is_proxy(args[0]):  # symbolically traced: as the tracer sees the original class
+        # symbolically traced (a proxy is no tensor): as the tracer sees the original class
+        if args and not isinstance(args[0], Tensor) and _fx.is_proxy(args[0]):
             return _traced_forward(twin, self, args, kwargs)
         if not self.training:
             return super(twin, self).forward(*args, **kwargs)

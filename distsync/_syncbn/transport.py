@@ -11,7 +11,7 @@ from torch import Tensor
 from distsync import _torch_compat
 
 if TYPE_CHECKING:
-    from distsync._syncbn.identity import SyncState
+    from distsync._syncbn.payload import SyncState
 
 
 class Call(NamedTuple):

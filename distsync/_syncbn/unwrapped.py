@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from distsync import _torch_compat
 from distsync._syncbn.ddp_buffers import leave_out_of_broadcast
-from distsync._syncbn.identity import is_wrapper_slot
+from distsync._syncbn.identity import is_wrapper_slot, resolve
 
 __all__ = ["meet_callers"]
 
@@ -58,7 +58,7 @@ def meet_callers(layer: nn.Module, world_size: int) -> None:
     alone in it): fix its identity, leave its running statistics out of the buffer broadcast of the DDP
     models calling it (whatever the size of its group, so the same on every rank), and warn, once per
     process, if it syncs, the call carries gradients and no module being called is a data-parallel wrapper."""
-    layer._sync_state.resolve(layer, layer.num_features)
+    resolve(layer, layer.num_features)
     callers = _torch_compat.modules_being_called()
     for module in callers:
         if isinstance(module, DistributedDataParallel):
