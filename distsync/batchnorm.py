@@ -18,8 +18,7 @@ from distsync import _torch_compat
 from distsync._syncbn import checkpointing as _checkpointing
 from distsync._syncbn import compiled as _compiled
 from distsync._syncbn import fx as _fx
-from distsync._syncbn.payload import SyncState
-from distsync._syncbn.transport import Reducer, process_group_reducer
+from distsync._syncbn.payload import Reducer, SyncState, process_group_reducer
 from distsync._syncbn.unwrapped import meet_callers
 from distsync.functional import SyncBatchNormFunction, SyncCall
 from distsync.groups import GroupSpec, as_process_group

@@ -12,8 +12,7 @@ from distsync._syncbn import checkpointing as _checkpointing
 from distsync._syncbn import health as _health
 from distsync._syncbn import payload as _payload
 from distsync._syncbn.kernels import cast_if_needed, kernels_for
-from distsync._syncbn.payload import BACKWARD, COUNT, FORWARD, CallTag, SyncState, failed_row
-from distsync._syncbn.transport import Call, Reducer
+from distsync._syncbn.payload import BACKWARD, COUNT, FORWARD, Call, CallTag, Reducer, SyncState, failed_row
 from distsync.errors import SyncError
 
 __all__ = ["SyncBatchNormFunction", "SyncCall", "shadow_backward", "shadow_forward", "sync_backward_sums"]

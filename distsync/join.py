@@ -49,9 +49,8 @@ from torch.nn.parallel import DistributedDataParallel
 from distsync import _torch_compat, batchnorm
 from distsync._syncbn.ddp_buffers import leave_out_of_broadcast
 from distsync._syncbn.identity import resolve, stamp_paths
-from distsync._syncbn.payload import BACKWARD, FORWARD
+from distsync._syncbn.payload import BACKWARD, FORWARD, Call, ProcessGroupReducer
 from distsync._syncbn.subclass import original_class
-from distsync._syncbn.transport import Call, ProcessGroupReducer
 from distsync.batchnorm import DistSyncBatchNorm
 from distsync.errors import SyncError, SyncMismatchError
 from distsync.functional import shadow_backward, shadow_forward

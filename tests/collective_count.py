@@ -6,7 +6,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 
-from distsync._syncbn import transport
+from distsync._syncbn import payload as transport
 
 
 @contextlib.contextmanager

@@ -1,7 +1,9 @@
 """What a synchronized call sends and what it reads back: the payload, shared by every device and transport.
 
-This module builds a call's payload (its moments and its tail), merges the reduced one into the global
-statistics, and reads its verdict; :class:`SyncState` is a layer's call counts and tail tables. Which path
+This module builds a call's payload (its moments and its tail), sums it over the participants (a
+:class:`Reducer`: a process group here, the replicas of ``nn.DataParallel`` in ``parallel/replica_sync.py``),
+merges the reduced one into the global statistics, and reads its verdict; :class:`SyncState` is a layer's
+call counts and tail tables. Which path
 names a layer is :mod:`distsync._syncbn.identity`'s business; the hash it makes is all the tail holds of it.
 
 A sync payload is one float64 vector per call, the same length in forward and backward so that a rank in
@@ -39,11 +41,13 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
+from distsync import _torch_compat
 from distsync.errors import SyncError, SyncMismatchError
 
 # Tail slots: [count | failed | layer digits (4), direction, call | their squares | guard].
@@ -377,3 +381,65 @@ def raise_for(result: Verdict, tag: CallTag, world_size: int, problem: str | Non
         raise ValueError(
             f"Expected more than 1 value per channel when training, got 1 over all ranks at {tag.describe()}"
         )
+
+
+# ------------------------------------------------------------------------------------- the transports
+# What sums a payload over everyone sharing a batch-norm layer's statistics.
+
+
+class Call(NamedTuple):
+    """A synchronized call as a rank without a batch needs it to take part (see :mod:`distsync.join`)."""
+
+    direction: int  # FORWARD or BACKWARD
+    state: SyncState  # the layer's: its identity
+    channels: int
+    dtype: torch.dtype  # the input's (forward)
+    momentum: float | None = None
+    eps: float = 0.0
+    running_mean: Tensor | None = None  # the running statistics the call updates (None: none)
+    running_var: Tensor | None = None
+    counts: bool = False  # the call counts the batch in the layer's num_batches_tracked (else its caller did)
+
+
+class Reducer(Protocol):
+    """Sums a tensor over all participants; every participant gets the same result."""
+
+    world_size: int
+    first: bool  # exactly one participant is first
+
+    def all_reduce(self, payload: Tensor) -> Tensor: ...
+
+    def announce(self, call: Call) -> None:
+        """Say that ``call``'s all-reduce comes next, to participants who cannot know (ranks that joined
+        under DDP's ``Join``); a no-op for the others."""
+
+
+class ProcessGroupReducer:
+    """One ``all_reduce(SUM)`` on a ``torch.distributed`` process group."""
+
+    def __init__(self, process_group: dist.ProcessGroup | None, world_size: int) -> None:
+        self.process_group = process_group
+        self.world_size = world_size
+        self.first = dist.get_rank(process_group) == 0
+
+    @property
+    def timeout(self) -> float | None:
+        """How long a collective of the group may wait for a peer, in seconds (None if unknown)."""
+        return _torch_compat.process_group_timeout(self.process_group)
+
+    def all_reduce(self, payload: Tensor) -> Tensor:
+        dist.all_reduce(payload, op=dist.ReduceOp.SUM, group=self.process_group)
+        return payload
+
+    def announce(self, call: Call) -> None:
+        """Every participant makes every call itself: nothing to say."""
+
+
+def process_group_reducer(process_group: dist.ProcessGroup | None) -> ProcessGroupReducer | None:
+    """A reducer over ``process_group`` (default group if None), or None when there is nobody to sync with."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world_size = dist.get_world_size(process_group)
+    if world_size <= 1:
+        return None
+    return ProcessGroupReducer(process_group, world_size)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from distsync._syncbn.transport import ProcessGroupReducer, process_group_reducer
+from distsync._syncbn.payload import ProcessGroupReducer, process_group_reducer
 from distsync.errors import SyncError
 from distsync.parallel.comm import SlavePipe, SyncMaster
 
@@ -49,7 +49,7 @@ class _ReplicaGroup:
 
 
 class ReplicaReducer:
-    """A :class:`~distsync._syncbn.transport.Reducer` for one copy of a layer that ``nn.DataParallel``
+    """A :class:`~distsync._syncbn.payload.Reducer` for one copy of a layer that ``nn.DataParallel``
     replicated.
 
     ``all_reduce`` blocks until every copy of the layer in this process has sent its payload for the same
