@@ -166,7 +166,7 @@ def _reduce(
     verdict = _check(payload, tag, reducer, problem, True, kernels)
     stats = _payload.merge(payload, channels, state.scratch, eps, call.clip)
     if verdict is not None and verdict.count and input.dtype == torch.float64:
-        if bool(_payload.costs_accuracy(stats.rows[0, 0], stats.rows[1, 0], 0.0)):
+        if bool(_payload.costs_accuracy(stats.rows[0, 0], stats.rows[1, 0])):
             shift = stats.rows[0, 0] if shift is None else stats.rows[0, 0] + shift
             shift = torch.where(shift.isfinite(), shift, 0.0)
             payload = _pack(local, shift, count, row, channels, None)
@@ -199,27 +199,25 @@ def _update_running_stats(
         if verdict.count == 0:  # an empty global batch: no statistics (0 / 0), keep the old ones
             return
         weight = call.momentum if call.momentum is not None else 1.0 / float(counted)
+        weights = weight
         mean, var = (end.to(dtype) for end in ends)
-        if running_mean.dtype == running_var.dtype == dtype:
-            torch._foreach_lerp_([running_mean, running_var], [mean, var], weight)
-        else:
-            _lerp_buffers((running_mean, running_var), (mean, var), weight, dtype)
-        return
-    key = ("weight", running_mean.device, dtype, running_mean.numel())
-    weight = state.scratch.get(key)
-    if weight is None:  # one per channel: the buffers' update is then one multi-tensor kernel
-        weight = torch.zeros(running_mean.numel(), dtype=dtype, device=running_mean.device)
-        state.scratch[key] = weight
-    # num_batches_tracked counts healthy calls only, decided from reduced values: the same on every rank,
-    # the one that rejected its input included (it never gets here, and the call counts on no rank).
-    _payload.running_stat_weight(payload, call.momentum, weight, counted)
-    mean, var = (cast_if_needed(end, dtype) for end in ends)
-    if local_count <= 1:  # some rank may have had 0 or 1 value: statistics may be NaN, keep the old ones then
-        enough = payload[payload.numel() - _payload.TAIL + COUNT] > 1
-        mean = torch.where(enough, mean, running_mean.to(dtype))
-        var = torch.where(enough, var, running_var.to(dtype))
+    else:
+        key = ("weight", running_mean.device, dtype, running_mean.numel())
+        weight = state.scratch.get(key)
+        if weight is None:  # one per channel: the buffers' update is then one multi-tensor kernel
+            weight = torch.zeros(running_mean.numel(), dtype=dtype, device=running_mean.device)
+            state.scratch[key] = weight
+        # num_batches_tracked counts healthy calls only, decided from reduced values: the same on every
+        # rank, the one that rejected its input included (it never gets here, and counts on no rank).
+        _payload.running_stat_weight(payload, call.momentum, weight, counted)
+        weights = [weight, weight]
+        mean, var = (cast_if_needed(end, dtype) for end in ends)
+        if local_count <= 1:  # some rank may have had 0 or 1 value: NaN statistics, keep the old ones then
+            enough = payload[payload.numel() - _payload.TAIL + COUNT] > 1
+            mean = torch.where(enough, mean, running_mean.to(dtype))
+            var = torch.where(enough, var, running_var.to(dtype))
     if running_mean.dtype == running_var.dtype == dtype:
-        torch._foreach_lerp_([running_mean, running_var], [mean, var], [weight, weight])
+        torch._foreach_lerp_([running_mean, running_var], [mean, var], weights)
     else:
         _lerp_buffers((running_mean, running_var), (mean, var), weight, dtype)
 

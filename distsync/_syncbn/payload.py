@@ -292,11 +292,11 @@ REFINE = 2.0**8
 _INF = float("inf")
 
 
-def costs_accuracy(mean: Tensor, var: Tensor, eps: float) -> Tensor:
-    """Whether some channel's merge (``mean`` relative to K and biased ``var`` from :func:`merge`) lost more
-    than ``REFINE_DIGITS`` digits of the variance it is normalized by (a 0-dim bool tensor; NaN never
-    counts)."""
-    return torch.addcmul(var, mean, mean, value=-1 / REFINE).lt_(-eps).any()
+def costs_accuracy(mean: Tensor, var: Tensor) -> Tensor:
+    """Whether some channel's merge (``mean`` relative to K and biased ``var`` from :func:`merge`, eps
+    included) lost more than ``REFINE_DIGITS`` digits of the variance it is normalized by (a 0-dim bool
+    tensor; NaN never counts)."""
+    return torch.addcmul(var, mean, mean, value=-1 / REFINE).lt_(0).any()
 
 
 def update_shift(state, mean: Tensor, var: Tensor) -> None:
