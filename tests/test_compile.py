@@ -90,6 +90,26 @@ def test_compiled_calls_are_checked_by_check_sync_on_every_rank():
         assert message is not None and "out of step" in message
 
 
+def _nan_statistics(rank, world_size):
+    torch.manual_seed(0)
+    batches = [torch.randn(4, 3, 2, 2) for _ in range(world_size)]
+    batches[1][0, 1, 0, 0] = float("nan")  # channel 1's statistics are NaN; the others are not
+    reference = nn.BatchNorm2d(3).double()
+    reference(torch.cat(batches).double())
+    layer = distsync.DistSyncBatchNorm2d(3)
+    torch.compile(layer, fullgraph=FULLGRAPH, backend="aot_eager")(batches[rank])
+    return [(b.double(), r) for b, r in zip(layer.buffers(), reference.buffers(), strict=True)]
+
+
+def test_compiled_running_statistics_take_a_nan_as_batchnorm_does():
+    """A NaN in one rank's batch makes that channel's running statistics NaN, as in ``nn.BatchNorm2d`` on
+    the whole batch (and in eager mode); the other channels move as there."""
+    for buffers in run_world(_nan_statistics, 2):
+        for ours, reference in buffers:
+            assert torch.equal(ours.isnan(), reference.isnan()), (ours, reference)
+            torch.testing.assert_close(ours.nan_to_num(), reference.nan_to_num().to(ours.dtype))
+
+
 def test_fullgraph_compile_with_inductor():
     """Inductor's generated kernels, forward and backward, equal eager mode."""
     worst, _ = run_world(_with_inductor, 2)[0]

@@ -225,8 +225,10 @@ def _unit(index: int, like: Tensor) -> Tensor:
 def _update_running_stats(
     buffers, momentum: float | None, mean: Tensor, var: Tensor, count: Tensor, healthy: Tensor
 ) -> None:
+    """``nn.BatchNorm``'s update, ``(1 - w) * buffer + w * statistic``, where the call counts (healthy, more
+    than one value): a NaN statistic then becomes a NaN buffer, as there, and an inf buffer stays inf. A call
+    that does not count leaves the buffers as they are, bit for bit."""
     running_mean, running_var, num_batches_tracked = buffers
-    enough = count > 1
     unbiased = var * count / (count - 1).clamp_min(1.0)
     if num_batches_tracked is not None:
         num_batches_tracked.add_(healthy.long())
@@ -234,10 +236,10 @@ def _update_running_stats(
         weight = healthy.double() / num_batches_tracked.clamp_min(1).double()
     else:
         weight = healthy.double() * momentum
-    weight = torch.where(enough, weight, 0.0)
+    counts = healthy & (count > 1)
     for buffer, end in ((running_mean, mean), (running_var, unbiased)):
-        end = torch.where(end.isfinite(), end, buffer.double())
-        buffer.copy_(torch.lerp(buffer.double(), end, weight).to(buffer.dtype))
+        old = buffer.double()
+        buffer.copy_(torch.where(counts, old * (1 - weight) + end * weight, old).to(buffer.dtype))
 
 
 def check() -> None:
