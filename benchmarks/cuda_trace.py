@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 
 import distsync
 from distsync._syncbn import health as _health
-from distsync._syncbn.trace import fake_cuda_world, record
+from distsync.testing.cuda_trace import fake_cuda_world, record
 
 SHAPE = (16, 64, 32, 32)
 

@@ -131,7 +131,7 @@ def test_emulated_ops_raise_where_the_cuda_kernels_do():
 def _captured(rank, world_size, steps):
     """Steps 'captured' (the runtime says a capture is under way) then checked by check_sync(); at the
     last captured step rank 1 calls the other layer."""
-    from distsync._syncbn.trace import fake_runtime
+    from distsync.testing.cuda_trace import fake_runtime
 
     with cuda_path_on_cpu(), fake_runtime() as runtime:
         model = torch.nn.Sequential(distsync.DistSyncBatchNorm1d(4), distsync.DistSyncBatchNorm1d(4))
@@ -155,7 +155,7 @@ def test_captured_calls_do_no_host_work_and_are_checked_by_check_sync():
 def _runtime_pending(ready_after: int):
     """A monitor fed 2 * lag CPU tails with fake streams whose events are ready after ``ready_after``."""
     from distsync._syncbn import payload as _payload
-    from distsync._syncbn.trace import FakeRuntime
+    from distsync.testing.cuda_trace import FakeRuntime
 
     class Slow(FakeRuntime):
         def record(self, stream):
@@ -179,7 +179,7 @@ def test_verdicts_wait_for_the_copy_instead_of_polling(monkeypatch):
     """Item 3: the copy of a call is waited for at a fixed call, however late the device is. Readiness
     polling would skip a copy that is not ready yet and raise at a later call on a slower rank."""
     runtime, monitor, payloads = _runtime_pending(ready_after=50)
-    monkeypatch.setattr(_health, "_device", runtime)
+    monkeypatch.setattr(_health, "runtime", runtime)
     payloads[2][0][1] = 2.0  # call 2: both ranks 'rejected' their input (the failed slot of the tail)
     raised_at = None
     for index, (tail, tag) in enumerate(payloads):
@@ -196,7 +196,7 @@ def test_a_copy_that_never_lands_raises_sync_error_naming_the_calls(monkeypatch)
     """A peer that left the collectives keeps the copy from landing: after half the process group's
     timeout the wait raises SyncError naming the layer and calls (on NCCL as on gloo), not a hang."""
     runtime, monitor, payloads = _runtime_pending(ready_after=10**9)
-    monkeypatch.setattr(_health, "_device", runtime)
+    monkeypatch.setattr(_health, "runtime", runtime)
     with pytest.raises(SyncError, match=r"'bn' \(DistSyncBatchNorm\), forward call #0 to .*forward call #7"):
         for tail, tag in payloads:
             monitor.defer(_health._Pending(tail, tag, 2, True, 0.05))
@@ -222,7 +222,7 @@ def test_tails_of_two_streams_are_copied_on_their_own_streams(monkeypatch):
     """Items 1 and 2 in CI: calls made under two streams are queued apart; each copy is issued on the
     stream that produced its tails and its event recorded there."""
     runtime, monitor, payloads = _runtime_pending(ready_after=0)
-    monkeypatch.setattr(_health, "_device", runtime)
+    monkeypatch.setattr(_health, "runtime", runtime)
     for index, (tail, tag) in enumerate(payloads[: _health._LAG]):
         runtime.streams["cpu"] = "side" if index % 2 else "default"
         monitor.defer(_health._Pending(tail, tag, 2, True, 60.0))

@@ -9,7 +9,7 @@ import torch
 from bn_subclasses import ActNorm2d
 
 from distsync._syncbn import health as _health
-from distsync._syncbn import trace as _trace
+from distsync.testing import cuda_trace as _trace
 
 pytestmark = pytest.mark.skipif(
     not (torch.version.cuda and _trace.SUPPORTED), reason="needs a CUDA build of torch >= 2.11 (not a GPU)"
@@ -34,7 +34,7 @@ def trace_layer(shape, dtype=torch.float32, channels_last=False, momentum=0.1, s
     """Forward and backward traces of one synced call on fake CUDA tensors in a fake 2-rank NCCL world
     (with ``subclass``, of a converted BatchNormAct-style subclass)."""
     import distsync
-    from distsync._syncbn.trace import fake_cuda_world, record
+    from distsync.testing.cuda_trace import fake_cuda_world, record
 
     _health._monitor.__init__()
     with fake_cuda_world(2):
@@ -113,7 +113,7 @@ def test_a_host_read_in_the_traced_path_would_be_caught():
     """The trace can fail: reading a fake CUDA value raises, as a host sync would stall a GPU."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
-    from distsync._syncbn.trace import fake_cuda_world
+    from distsync.testing.cuda_trace import fake_cuda_world
 
     with fake_cuda_world(2), pytest.raises(DataDependentOutputException):
         torch.ones(3, device="cuda").sum().item()
@@ -131,11 +131,11 @@ def test_several_gpus_in_one_process_are_checked_per_device_and_stream():
     """Items 1 and 2: tails on two GPUs are copied per device, on the stream that produced them (here a
     side stream on cuda:1, used without set_device), each behind an event recorded on that stream."""
     import distsync
-    from distsync._syncbn.trace import fake_cuda_world
+    from distsync.testing.cuda_trace import fake_cuda_world
 
     _health._monitor.__init__()
     with fake_cuda_world(2):
-        runtime = _health._device
+        runtime = _health.runtime
         runtime.streams["cuda:1"] = "side stream of cuda:1"
         devices = ["cuda:0", "cuda:1"]
         layers = [distsync.DistSyncBatchNorm2d(3, device=device) for device in devices]
@@ -150,11 +150,11 @@ def test_capture_does_no_host_work_and_keeps_the_trace():
     """Item 4: while a CUDA graph is captured, synced calls queue, copy, record and query nothing (here 3
     training steps, more than one lag of calls), and stay within the trace budget."""
     import distsync
-    from distsync._syncbn.trace import fake_cuda_world, record
+    from distsync.testing.cuda_trace import fake_cuda_world, record
 
     _health._monitor.__init__()
     with fake_cuda_world(2):
-        runtime = _health._device
+        runtime = _health.runtime
         layer = distsync.DistSyncBatchNorm2d(16, device="cuda")
         _synced_calls([layer], ["cuda"], steps=1)  # warm-up outside the capture, as torch requires
         runtime.capturing_now = True
@@ -174,7 +174,7 @@ def test_fullgraph_compile_traces_on_fake_cuda():
     """Item 8 on the CUDA build: dynamo traces a model with a synchronized layer on fake CUDA tensors in
     one graph (fullgraph), with one functional all-reduce each way and no host read (any would raise here)."""
     import distsync
-    from distsync._syncbn.trace import fake_cuda_world
+    from distsync.testing.cuda_trace import fake_cuda_world
 
     graphs = []
 

@@ -55,8 +55,9 @@ class _InFlight:
     event: object | None  # recorded on the producing stream after the copy; None for a synchronous copy
 
 
-class _DeviceApi:
-    """The few runtime calls the monitor makes; ``_trace`` and tests substitute their own."""
+class DeviceRuntime:
+    """The few runtime calls the monitor makes, through the module's ``runtime``, which tests replace where no
+    GPU driver is (``distsync.testing.cuda_trace.fake_runtime``)."""
 
     @staticmethod
     def capturing(device: torch.device) -> bool:
@@ -90,7 +91,7 @@ class _DeviceApi:
         return None if stream is None else stream.record_event()
 
 
-_device = _DeviceApi()
+runtime = DeviceRuntime()
 
 
 class _Monitor:
@@ -104,11 +105,11 @@ class _Monitor:
     def defer(self, pending: _Pending) -> None:
         """Queue a call's reduced tail; every ``_LAG`` calls, copy the queued ones and read the previous."""
         device = pending.tail.device
-        if _device.capturing(device):
+        if runtime.capturing(device):
             with self._lock:
                 self._captured.append(pending)
             return
-        stream = _device.current_stream(device)
+        stream = runtime.current_stream(device)
         with self._lock:
             self._queues.setdefault((device, stream), []).append(pending)
             self._calls += 1
@@ -131,11 +132,11 @@ class _Monitor:
     def _launch(self) -> list[_InFlight]:
         jobs = []
         for (_, stream), calls in self._queues.items():
-            with _device.on(stream):  # ordered after the all-reduces that produced the tails
+            with runtime.on(stream):  # ordered after the all-reduces that produced the tails
                 tails = torch.stack([call.tail for call in calls])
-                host = _device.host_buffer(tails)
+                host = runtime.host_buffer(tails)
                 host.copy_(tails, non_blocking=tails.is_cuda)
-                jobs.append(_InFlight(calls, host, _device.record(stream)))
+                jobs.append(_InFlight(calls, host, runtime.record(stream)))
         self._queues = {}
         return jobs
 

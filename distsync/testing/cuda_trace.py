@@ -161,12 +161,12 @@ def fake_runtime() -> Iterator[FakeRuntime]:
     """Route ``distsync._syncbn.health``'s runtime calls to a :class:`FakeRuntime` inside the block."""
     from distsync._syncbn import health as _health
 
-    runtime, previous = FakeRuntime(), _health._device
-    _health._device = runtime
+    runtime, previous = FakeRuntime(), _health.runtime
+    _health.runtime = runtime
     try:
         yield runtime
     finally:
-        _health._device = previous
+        _health.runtime = previous
 
 
 _library: torch.library.Library | None = None
