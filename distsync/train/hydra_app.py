@@ -48,7 +48,6 @@ from distsync.train.rundir import (
     restore_hydra_record,
     slurm_step,
 )
-from distsync.train.targets import check_targets
 
 __all__ = [
     "to_train_config",
@@ -103,7 +102,6 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
         raise ConfigError(f"{key}: {message.splitlines()[0]}") from error
     if not isinstance(train_cfg, TrainConfig):
         raise ConfigError(f"config: expected the train_schema structure, got {type(train_cfg).__name__}")
-    check_targets(train_cfg)
     return train_cfg
 
 

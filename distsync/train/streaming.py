@@ -45,18 +45,15 @@ class Stretch(NamedTuple):
 
 
 def is_stream(dataset: Any) -> bool:
-    """Whether ``dataset`` (or a dataset class) is a streaming one: an ``IterableDataset``."""
-    if isinstance(dataset, type):
-        return issubclass(dataset, IterableDataset)
+    """Whether ``dataset`` is a streaming one: an ``IterableDataset``."""
     return isinstance(dataset, IterableDataset)
 
 
 def check_streaming(cfg: TrainConfig) -> None:
     """Refuse the settings a streaming ``data.train`` does not support (:class:`ConfigError`).
 
-    Called before any worker starts when ``data.train``'s target is an ``IterableDataset`` class, and
-    again in every worker once the dataset is built (a factory function may return one): the same
-    config and dataset on every rank, so every rank raises the same error.
+    Called once the dataset is built: before any worker starts (:func:`.build.check_buildable`), and in
+    every worker (the same config and dataset on every rank, so every rank raises the same error).
     """
     t = cfg.trainer
     refused = {
