@@ -31,7 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from distsync.launching.world_size import ask_in_place
 from distsync.train.build import check_buildable, check_builtin_data
@@ -68,34 +68,14 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def _unknown_keys(node, schema: type, prefix: str = "") -> list[str]:
-    """Keys of ``node`` (a plain dict) that the ``schema`` dataclass has no field for, recursively."""
-    fields = {f.name: f.type for f in dataclasses.fields(schema)}
-    unknown = []
-    for key, value in node.items():
-        if key not in fields:
-            unknown.append(f"{prefix}{key}")
-        elif isinstance(value, dict) and dataclasses.is_dataclass(nested := _field_class(schema, key)):
-            unknown += _unknown_keys(value, nested, f"{prefix}{key}.")
-    return unknown
-
-
-def _field_class(schema: type, name: str) -> type | None:
-    default = next(f for f in dataclasses.fields(schema) if f.name == name).default_factory
-    return default if isinstance(default, type) else None
-
-
-def _refuse_unknown_keys(cfg: DictConfig) -> None:
-    unknown = _unknown_keys(OmegaConf.to_container(cfg, resolve=False), TrainConfig)
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: not a key of the training config")
-
-
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """Resolve ``cfg`` into a :class:`TrainConfig`; raises :class:`ConfigError` naming the bad key."""
-    _refuse_unknown_keys(cfg)
     try:
+        # Hydra's "+key=..." adds keys the schema lacks, which to_object would drop: the schema refuses them.
+        OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.to_container(cfg, resolve=False))
         train_cfg = OmegaConf.to_object(cfg)
+    except ConfigKeyError as error:
+        raise ConfigError(f"{error.full_key}: not a key of the training config") from error
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "config"
         message = getattr(error, "msg", None) or str(error)
