@@ -1,15 +1,9 @@
 """The Hydra side of training: config registration, the task function body and elastic launches.
 
-With the sweep summary's callback (:mod:`~distsync.train.sweep`) and the workers' call of
-``hydra.utils.instantiate`` (:mod:`~distsync.train.targets`), the job's only use of Hydra and OmegaConf.
-It turns the composed ``DictConfig`` into a plain :class:`~distsync.train.config.TrainConfig` and then
-either
-
-* starts a torchrun world of ``trainer.nproc_per_node`` workers with
-  :func:`torch.distributed.launcher.api.elastic_launch` (a plain ``python launch/train.py``, every job of a
-  ``-m`` sweep), or
-* runs :func:`distsync.train.rank_process.run` in this very process when the script itself was started by an
-  external ``torchrun`` (``TORCHELASTIC_RUN_ID`` is set).
+It turns the composed ``DictConfig`` into a plain :class:`~distsync.train.config.TrainConfig`, checks it,
+and either starts a torchrun world of ``trainer.nproc_per_node`` workers (:func:`launch`) or, under an
+external ``torchrun`` (``TORCHELASTIC_RUN_ID`` is set), runs :func:`distsync.train.rank_process.run` in
+this very process.
 """
 
 from __future__ import annotations
