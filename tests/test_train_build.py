@@ -160,8 +160,18 @@ def test_a_target_whose_module_fails_to_import_is_one_line(tmp_path, monkeypatch
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = _cfg({"_target_": "broken_models.resnet18"})
     with pytest.raises(ConfigError) as error:
-        distsync.train.targets.check_targets(cfg)
+        check_buildable(cfg, world_size=2)
     assert str(error.value) == (
-        "model.factory._target_: importing broken_models for 'broken_models.resnet18' failed: "
-        "RuntimeError: operator x::nms does not exist"
+        "model.factory (broken_models.resnet18): ImportError: Error loading 'broken_models.resnet18': "
+        "RuntimeError('operator x::nms does not exist')"
+    )
+
+
+def test_an_unimportable_target_is_one_line():
+    with pytest.raises(ConfigError) as error:
+        check_buildable(_cfg({"_target_": "no_such_package.make_model"}), world_size=2)
+    assert str(error.value) == (
+        "model.factory (no_such_package.make_model): ImportError: "
+        "Error loading 'no_such_package.make_model': "
+        "ModuleNotFoundError(\"No module named 'no_such_package'\")"
     )

@@ -12,8 +12,8 @@ from launching import FAST, SCRIPT, metric_steps, run_job, summary
 
 from distsync.testing import run_world
 from distsync.train import ConfigError, DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig, run
+from distsync.train.build import check_buildable
 from distsync.train.checkpoint import checkpoint_dir
-from distsync.train.targets import check_targets
 
 BATCH, SHARDS = 4, [3, 2]  # rank 0 has 3 batches per pass, rank 1 has 2
 
@@ -92,7 +92,7 @@ def test_passes_until_max_steps_with_logs_at_pass_boundaries(tmp_path):
 
 def test_streaming_settings_are_refused_before_any_worker_starts():
     with pytest.raises(ConfigError, match=r"^trainer.grad_accum_steps: must be 1 with a streaming"):
-        check_targets(_cfg(4, grad_accum_steps=2))
+        check_buildable(_cfg(4, grad_accum_steps=2), world_size=2)
 
 
 @pytest.mark.slow

@@ -14,29 +14,9 @@ from torch.utils.data import TensorDataset
 
 import distsync
 from distsync.train import DataConfig, ModelConfig, OptimConfig, TrainConfig, TrainerConfig
-from distsync.train.config import ConfigError
 from distsync.train.data import LoaderBatches
 from distsync.train.hydra_app import launch
-from distsync.train.targets import check_node, check_targets, instantiate
-
-
-def test_a_misspelled_argument_names_the_key_and_the_target():
-    with pytest.raises(ConfigError, match=r"^model.factory.out_feature: not a parameter of torch.nn.Linear"):
-        check_node({"_target_": "torch.nn.Linear", "in_features": 2, "out_feature": 3}, "model.factory")
-
-
-def test_nested_nodes_and_leading_arguments_are_checked():
-    node = {"_target_": "torch.optim.SGD", "lr": 0.1, "momentum": 0.9}
-    check_node(node, "optim.factory", positional=1)  # params come from the job
-    layers = {"_target_": "torch.nn.ModuleList", "modules": [{"_target_": "torch.nn.ReLU", "inplce": True}]}
-    with pytest.raises(ConfigError, match=r"^x.modules.0.inplce: not a parameter of torch.nn.ReLU"):
-        check_node(layers, "x")
-
-
-def test_an_unimportable_target_is_one_line():
-    cfg = TrainConfig(model=ModelConfig(factory={"_target_": "no_such_package.make_model"}))
-    with pytest.raises(ConfigError, match=r"^model.factory._target_: cannot import 'no_such_package.make_m"):
-        check_targets(cfg)
+from distsync.train.targets import instantiate
 
 
 def test_instantiate_builds_nested_nodes_first():
@@ -105,10 +85,10 @@ def test_a_misspelled_command_line_argument_fails_in_one_line(tmp_path):
     )
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines() == [
-        "Error: model.factory.in_feature: not a parameter of torch.nn.Linear (it takes: bias, device, dtype, "
-        "in_features, out_features)"
+        "Error: model.factory (torch.nn.Linear): TypeError: Linear.__init__() got an unexpected keyword "
+        "argument 'in_feature'"
     ]
-    assert not (tmp_path / "bad").exists()  # refused before Hydra made the run directory
+    assert not (tmp_path / "bad").exists()  # the run directory Hydra made for this job alone, removed
 
 
 def test_resnet18_on_fake_data(tmp_path):

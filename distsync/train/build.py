@@ -23,8 +23,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import distsync
 from distsync.train.config import ConfigError, ModelConfig, TrainConfig
 from distsync.train.data import batches_per_epoch, load_data
-from distsync.train.streaming import first_input
-from distsync.train.targets import TARGET, instantiate
+from distsync.train.streaming import check_streaming, first_input, is_stream
+from distsync.train.targets import instantiate
 
 __all__ = [
     "SmallCNN",
@@ -142,8 +142,10 @@ def building(key: str, node: dict | None = None) -> Iterator[None]:
     except ConfigError:
         raise
     except Exception as error:
-        target = f" ({node[TARGET]})" if node and TARGET in node else ""
-        lines = str(error).strip().splitlines()
+        target = f" ({node['_target_']})" if node and "_target_" in node else ""
+        lines = [line.strip() for line in str(error).strip().splitlines()]
+        if len(lines) > 1 and lines[0].endswith(":"):  # Hydra's "Error loading 'x':" and the cause below
+            lines[0] += f" {lines[1]}"
         cause = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
         raise ConfigError(f"{key}{target}: {cause}") from error
 
@@ -200,6 +202,8 @@ def _check_datasets(cfg: TrainConfig, world_size: int) -> tuple[int | None, int]
         train = instantiate(cfg.data.train)
     with building("data.test", cfg.data.test):
         instantiate(cfg.data.test)
+    if is_stream(train):
+        check_streaming(cfg)
     if hasattr(train, "__len__"):  # a stream's length is its own business
         batches_per_epoch(len(train) // world_size, cfg.data.batch_size, world_size, len(train))
     if cfg.model.factory:

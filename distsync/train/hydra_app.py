@@ -1,15 +1,9 @@
 """The Hydra side of training: config registration, the task function body and elastic launches.
 
-With the sweep summary's callback (:mod:`~distsync.train.sweep`) and the workers' call of
-``hydra.utils.instantiate`` (:mod:`~distsync.train.targets`), the job's only use of Hydra and OmegaConf.
-It turns the composed ``DictConfig`` into a plain :class:`~distsync.train.config.TrainConfig` and then
-either
-
-* starts a torchrun world of ``trainer.nproc_per_node`` workers with
-  :func:`torch.distributed.launcher.api.elastic_launch` (a plain ``python launch/train.py``, every job of a
-  ``-m`` sweep), or
-* runs :func:`distsync.train.rank_process.run` in this very process when the script itself was started by an
-  external ``torchrun`` (``TORCHELASTIC_RUN_ID`` is set).
+It turns the composed ``DictConfig`` into a plain :class:`~distsync.train.config.TrainConfig`, checks it,
+and either starts a torchrun world of ``trainer.nproc_per_node`` workers (:func:`launch`) or, under an
+external ``torchrun`` (``TORCHELASTIC_RUN_ID`` is set), runs :func:`distsync.train.rank_process.run` in
+this very process.
 """
 
 from __future__ import annotations
@@ -18,7 +12,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import itertools
 import logging
 import os
 import shutil
@@ -32,7 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from distsync.launching.world_size import ask_in_place
 from distsync.train.build import check_buildable, check_builtin_data
@@ -49,7 +42,6 @@ from distsync.train.rundir import (
     restore_hydra_record,
     slurm_step,
 )
-from distsync.train.targets import check_targets
 
 __all__ = [
     "to_train_config",
@@ -70,41 +62,20 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ
 
 
-def _unknown_keys(node, schema: type, prefix: str = "") -> list[str]:
-    """Keys of ``node`` (a plain dict) that the ``schema`` dataclass has no field for, recursively."""
-    fields = {f.name: f.type for f in dataclasses.fields(schema)}
-    unknown = []
-    for key, value in node.items():
-        if key not in fields:
-            unknown.append(f"{prefix}{key}")
-        elif isinstance(value, dict) and dataclasses.is_dataclass(nested := _field_class(schema, key)):
-            unknown += _unknown_keys(value, nested, f"{prefix}{key}.")
-    return unknown
-
-
-def _field_class(schema: type, name: str) -> type | None:
-    default = next(f for f in dataclasses.fields(schema) if f.name == name).default_factory
-    return default if isinstance(default, type) else None
-
-
-def _refuse_unknown_keys(cfg: DictConfig) -> None:
-    unknown = _unknown_keys(OmegaConf.to_container(cfg, resolve=False), TrainConfig)
-    if unknown:
-        raise ConfigError(f"{unknown[0]}: not a key of the training config")
-
-
 def to_train_config(cfg: DictConfig) -> TrainConfig:
     """Resolve ``cfg`` into a :class:`TrainConfig`; raises :class:`ConfigError` naming the bad key."""
-    _refuse_unknown_keys(cfg)
     try:
+        # Hydra's "+key=..." adds keys the schema lacks, which to_object would drop: the schema refuses them.
+        OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.to_container(cfg, resolve=False))
         train_cfg = OmegaConf.to_object(cfg)
+    except ConfigKeyError as error:
+        raise ConfigError(f"{error.full_key}: not a key of the training config") from error
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or "config"
         message = getattr(error, "msg", None) or str(error)
         raise ConfigError(f"{key}: {message.splitlines()[0]}") from error
     if not isinstance(train_cfg, TrainConfig):
         raise ConfigError(f"config: expected the train_schema structure, got {type(train_cfg).__name__}")
-    check_targets(train_cfg)
     return train_cfg
 
 
@@ -134,19 +105,13 @@ _WAIT_FOR_RANK0_S = 60.0
 
 
 def prepare_argv(argv: list[str] | None = None) -> None:
-    """Check Hydra's command line, and adjust it in a worker of an external ``torchrun``.
+    """Record the command line, and adjust it in a worker of an external ``torchrun``.
 
-    Composes the config first (a single run once, a sweep once per value, see :func:`_override_error`),
-    so that an override Hydra cannot apply (a wrong type, an unknown key or option) fails with one line
-    naming it rather than Hydra's multi-line dump.
     Refuses ``-m``/``--multirun`` (a sweep would start one world per job inside a world). Only rank 0
     keeps ``hydra.output_subdir``, so ``.hydra/`` is written once. (The default run directory is shared by
     :func:`default_run_dir`, so a ``hydra.run.dir`` from the command line or a config file still wins.)
     """
     argv = sys.argv if argv is None else argv
-    error = _override_error(argv)
-    if error:
-        _refuse(error)
     record_command()  # for the resume command of the processes this one starts (submitit's jobs, ...)
     if not under_torchrun():
         return
@@ -192,82 +157,6 @@ def _refuse(message: str) -> None:
         time.sleep(_WAIT_FOR_RANK0_S)
         raise SystemExit(1)
     _fail(message)
-
-
-def _override_error(argv: list[str]) -> str | None:
-    """Why Hydra would fail to compose this command line's config, in one line; None if it composes.
-
-    A single run is composed once and checked as the job would check it, before Hydra makes a run
-    directory. For a ``-m`` sweep each value of each listed or ranged sweep is composed (Hydra would
-    compose it only when its job comes up, and a failure there ends the whole sweep); values that
-    compose but fail the job's own checks fail that job alone. Other configs (``--config-path``,
-    ``--config-dir``, ``--config-name``), and every other option (``--help``, ``--cfg`` ...), are left to
-    Hydra, and so is everything under ``HYDRA_FULL_ERROR=1``.
-    """
-    options = {arg for arg in argv[1:] if arg.startswith("-")}
-    if options - {"-m", "--multirun"} or os.environ.get("HYDRA_FULL_ERROR") == "1":
-        return None
-    overrides = [arg for arg in argv[1:] if not arg.startswith("-")]
-    if not options:
-        return _composition_error(overrides, check_values=True)
-    for one_value in _one_value_per_sweep(overrides):
-        error = _composition_error(one_value, check_values=False)
-        if error:
-            return error
-    return None
-
-
-def _one_value_per_sweep(overrides: list[str]) -> list[list[str]]:
-    """For each value of each discrete sweep in ``overrides``: the overrides with that value alone.
-
-    Non-sweep overrides stay in every list, other sweeps are left out. Sweeps whose values are not a
-    list known here (``interval``, ``glob``) are left to the sweeper.
-    """
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
-    combinations = []
-    for override in parsed:
-        if not override.is_sweep_override() or not override.is_discrete_sweep():
-            continue
-        try:
-            values = list(override.sweep_string_iterator())
-        except Exception:  # a glob needs Hydra's config loader: the sweeper expands it
-            continue
-        combinations += [[*fixed, f"{override.get_key_element()}={value}"] for value in values]
-    return combinations or [fixed]
-
-
-def _composition_error(overrides: list[str], check_values: bool) -> str | None:
-    """Compose the packaged config with ``overrides``: one line naming what fails, or None.
-
-    Unknown keys are refused either way; ``check_values`` also runs the config's own checks.
-    """
-    from hydra import compose, initialize_config_dir
-
-    try:
-        with initialize_config_dir(config_dir=_CONF_DIR, version_base="1.3"):
-            cfg = compose("config", overrides=overrides)
-    except Exception as error:  # Hydra's and OmegaConf's errors share no useful base class
-        cause = error.__cause__ if isinstance(error.__cause__, OmegaConfBaseException) else error
-        key = getattr(cause, "full_key", None)
-        lines = (getattr(cause, "msg", None) or str(cause)).strip().splitlines()
-        if len(lines) > 2 and lines[2].startswith("Available options"):  # an unknown group option
-            options = itertools.takewhile(lambda line: line.startswith("\t"), lines[3:])
-            lines[0] += f" ({lines[2].rstrip(':').lower()}: {', '.join(o.strip() for o in options)})"
-        return f"{key}: {lines[0]}" if key else lines[0]
-    try:
-        if check_values:
-            to_train_config(cfg)
-        else:
-            _refuse_unknown_keys(cfg)
-    except ConfigError as error:
-        return str(error)
-    return None
-
-
-_CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
 
 
 def default_run_dir() -> str:

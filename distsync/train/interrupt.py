@@ -1,12 +1,8 @@
 """Ctrl-C and SIGTERM while training: noted, and acted on by every rank together with a checkpoint.
 
-A scheduler's SIGTERM (SLURM's preemption, torchrun's agent stopping its workers) or a terminal's Ctrl-C
-reaches each rank at a different point of its step. A rank that ended at once would lose the steps since
-the last checkpoint. Instead each rank notes the signal and trains on; at the next logging step the ranks
-learn, in the all-reduce that averages the logged loss, whether any of them was asked to stop, and then
-every rank saves the checkpoint at that step and ends as the signal meant (exit code 130 or 143). Until
-then further signals are noted too (the agent's SIGTERM follows a terminal's Ctrl-C); the agent's SIGKILL
-after its grace period (30 s by default) is the hard stop.
+Each rank notes the signal and trains on; at the next logging step the all-reduce of the logged loss tells
+every rank whether any was asked to stop, and then all save that step and end as the signal meant (exit
+code 130 or 143). See docs/training.md, "Fault tolerance".
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""Which configuration changes a run directory can be resumed with.
+"""Which configuration changes a run directory can be resumed with, and the resume itself.
 
-A checkpoint stores the config of the run that wrote it. Resuming with another config either continues the
-same run with different bookkeeping (allowed) or silently turns it into a different run, or fails deep in
-``load_state_dict`` with a size mismatch (refused here, with one line naming every changed key):
-
-* **Allowed, silently:** the keys of :data:`OPERATIONAL` (logging, evaluation and checkpoint intervals,
-  restarts, timeouts, rendezvous, progress bar, the metric returned to Hydra) and the world size
-  (``trainer.nproc_per_node``/``nnodes``; the worker warns that the RNG streams are reseeded).
-* **``trainer.max_steps``:** allowed with ``optim.schedule=constant`` (the learning rate of every step does
-  not depend on it, so a longer run continues exactly as if it had been asked for from the start),
-  refused with ``cosine`` (the decay to zero at ``max_steps`` already followed would be bent), and
-  refused when the checkpoint is already past the new value.
-* **Refused:** everything else (model, data, optimizer, seed, communication options), including keys that
-  a future version adds, until they are listed here.
-
-Rank 0 decides which checkpoint to resume from and every rank loads that one
-(:func:`resume_training`); a checkpoint holds the shared state (model, optimizer, schedule, data position,
-step, the time spent) and each rank's own (RNG streams, last losses; under post-local SGD its model and
-optimizer, which differ between averagings): :func:`save_training_state`.
+A checkpoint stores the config of the run that wrote it. The keys of :data:`OPERATIONAL` and the world size
+may change; ``trainer.max_steps`` may with ``optim.schedule=constant`` (and not below the checkpoint's
+step); every other change is refused in one line naming each key (docs/training.md, "Changed
+configuration"). Rank 0 picks the checkpoint and every rank loads it (:func:`resume_training`); it holds
+the shared state and each rank's own (RNG streams, last losses; under post-local SGD its model and
+optimizer): :func:`save_training_state`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The command that resumes a run, as the job prints it at its start and when it is stopped.
 
-It is the command the user started, with the run directory pinned (``hydra.run.dir``; for a sweep,
-``hydra.sweep.dir``: finished jobs add nothing, the others resume), whatever process prints it:
-
-* the launching process itself (``python launch/train.py``, ``python -m distsync.train``, ``distsync-train``);
-* a process the launching process started: a job of Hydra's submitit launcher (its own command line is
-  submitit's), a packed sweep's job, a worker of ``hydra/launcher=torchrun``. :func:`record_command`, called
-  by every entry point before Hydra starts, leaves the command in the environment they inherit;
-* rank 0 under an external ``torchrun``: ``torchrun``'s own command line, the worker's parent's;
-* inside a SLURM job, any of these as a step of its own: ``srun --nodes=N --ntasks-per-node=1 ...`` with the
-  job's CPUs, GPUs and partition, which runs as it is from a login node (or in ``sbatch --wrap``).
-
+The command the user started, with ``hydra.run.dir`` (a sweep: ``hydra.sweep.dir``) pinned, whichever
+process prints it: :func:`record_command`, called by every entry point before Hydra starts, leaves it in
+the environment of the processes it starts (submitit's jobs, packed sweep jobs); under an external
+torchrun it is the agent's command line; inside SLURM it is wrapped in ``srun`` with the job's shape.
 No Hydra here: the launcher passes what it needs of Hydra's config.
 """
 

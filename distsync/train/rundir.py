@@ -1,14 +1,8 @@
 """One job per run directory: an exclusive ``flock`` on ``<run_dir>/.lock`` for the life of the job.
 
-Two jobs given the same run directory (``hydra.run.dir``, or Hydra's timestamped default started in the
-same second) would interleave ``metrics.jsonl`` and overwrite each other's checkpoints. Rank 0 takes the
-lock before anything is written; a second job fails at once, naming the holder. The kernel drops the lock
-when the holding process exits however it exits (SIGKILL included), so a stale ``.lock`` file never
-blocks a later job, and a world restarted by the elastic agent takes it again.
-
-A launching process can hold the lock instead, for the whole job including the agent's restarts, and fail
-a second job before any worker starts: ``RunDirLock(run_dir, for_workers=True)`` records the directory in
-the environment its workers inherit, and :func:`held_by_launcher` tells rank 0 not to lock it again.
+Rank 0 takes it before anything is written, or a launching process does for its workers
+(``RunDirLock(run_dir, for_workers=True)``, which :func:`held_by_launcher` tells rank 0). The kernel drops
+it when the holder exits, however it exits. See docs/training.md, "Re-running into a run directory".
 """
 
 from __future__ import annotations

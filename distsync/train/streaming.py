@@ -1,20 +1,9 @@
 """Streaming training data: an ``IterableDataset`` that shards itself per rank, with uneven batch counts.
 
-A streaming dataset (webdataset's ``split_by_node``, a Hugging Face ``IterableDataset`` split by node,
-yours reading ``torch.distributed.get_rank()`` as it iterates) gives each rank its own stream, and the
-ranks different numbers of batches per pass. The job trains pass after pass. Within a pass every rank
-steps on its own batches; a rank that runs out joins (DDP's ``Join`` with :func:`distsync.joinable`):
-it shadows the others' collectives, DDP's gradient all-reduces and the synchronized layers' all-reduces
-with empty batches, until every rank is done with the pass or ``trainer.max_steps`` is reached. The ranks
-still training step together, so they reach ``max_steps`` together.
-
-The job's other collectives (the loss of the logs, evaluation, checkpoint gathers, ``check_sync``) cannot
-run while a rank is joined, so they move to the pass boundaries: each happens at the first boundary at or
-after the step it was due. There the ranks agree on the step count (the largest), and a rank that joined
-brings its LR schedule to that step; DDP's join hook has given every rank the last joiner's parameters. A
-rank's optimizer state (momentum) stays its own: it missed the steps it was joined for (as with any use
-of ``Join``). A resumed run starts a new pass at the checkpointed step: a stream position cannot be
-restored.
+Each pass is one stretch under DDP's ``Join`` (:func:`distsync.joinable`): a rank that runs out shadows the
+others' collectives until the pass ends. The job's own collectives (logs, evaluation, checkpoints,
+``check_sync``) wait for the pass boundary, where the ranks agree on the step. docs/training.md, "Streaming
+data with uneven shards", says what a user sees.
 """
 
 from __future__ import annotations
@@ -45,18 +34,15 @@ class Stretch(NamedTuple):
 
 
 def is_stream(dataset: Any) -> bool:
-    """Whether ``dataset`` (or a dataset class) is a streaming one: an ``IterableDataset``."""
-    if isinstance(dataset, type):
-        return issubclass(dataset, IterableDataset)
+    """Whether ``dataset`` is a streaming one: an ``IterableDataset``."""
     return isinstance(dataset, IterableDataset)
 
 
 def check_streaming(cfg: TrainConfig) -> None:
     """Refuse the settings a streaming ``data.train`` does not support (:class:`ConfigError`).
 
-    Called before any worker starts when ``data.train``'s target is an ``IterableDataset`` class, and
-    again in every worker once the dataset is built (a factory function may return one): the same
-    config and dataset on every rank, so every rank raises the same error.
+    Called once the dataset is built: before any worker starts (:func:`.build.check_buildable`), and in
+    every worker (the same config and dataset on every rank, so every rank raises the same error).
     """
     t = cfg.trainer
     refused = {
