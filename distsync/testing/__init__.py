@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import queue
+import random
 import socket
 import sys
 import threading
@@ -28,10 +29,35 @@ class WorkerFailed(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on localhost that was free a moment ago."""
+    """A TCP port on localhost that was free a moment ago, chosen at random below the kernel's ephemeral
+    range where there is room.
+
+    A port bound to 0 comes from the ephemeral range, from which every outgoing connection on the machine
+    (other worlds' ranks meeting their stores, gloo's pairs) takes its local port too: on a busy machine one
+    of them can take it before the caller's store binds it (``EADDRINUSE``). Below that range only explicit
+    binds compete."""
+    low = _ephemeral_start()
     with socket.socket() as sock:
+        for port in _PICK.sample(range(_LOWEST, low), k=min(32, max(low - _LOWEST, 0))):
+            try:
+                sock.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+_LOWEST = 20000
+_PICK = random.SystemRandom()  # not the random module's state, which tests seed alike in every process
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; other systems start higher
 
 
 _AFTER_A_FAILURE = 30.0  # seconds the other ranks get to finish once one has raised
