@@ -118,8 +118,8 @@ def check_store_answers(endpoint: str, timeout_s: float) -> None:
     answered = threading.Event()
 
     def probe() -> None:
-        try:
-            store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+        try:  # its own timeout outlasts the waits below: a silent port is told by them, not by a race with it
+            store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s + 10))
             store.check(["distsync"])
         except Exception:  # torch's own rendezvous then reports the store's error
             pass
