@@ -315,16 +315,20 @@ def update_shift(state, mean: Tensor, var: Tensor) -> None:
     state.shift_ref = torch.where(var.lt(_INF), var * SHIFT_JUMP, state.shift_ref)  # var >= 0 or NaN
 
 
+def agreed(tail: Tensor) -> Tensor:
+    """Whether every rank sent the same identity and none failed, from a reduced tail, on its device (a
+    ``(1,)`` bool tensor). The guard slot reduces to ``1 - failed - W sum(t^2)`` and ``sum_t (sum t)^2`` is
+    added to it: the result is 1 when all ranks sent the same identity and none failed, else at most 0
+    (Cauchy-Schwarz)."""
+    ident = tail[IDENTITY]
+    return torch.addmv(tail[GUARD : GUARD + 1], ident.view(1, -1), ident).gt(0.5)
+
+
 def running_stat_weight(payload: Tensor, momentum: float | None, out: Tensor, batches: Tensor | None) -> None:
     """Write into every element of ``out`` the weight of this call's running-statistics update, 0 if the call
-    was bad, and count the call in ``batches`` (``num_batches_tracked``) only if it was good.
-
-    The guard slot reduces to ``1 - failed - W sum(t^2)`` and ``sum_t (sum t)^2`` is added to it: the
-    result is 1 when all ranks sent the same identity and none failed, else at most 0 (Cauchy-Schwarz).
-    """
-    tail = payload[payload.numel() - TAIL :]
-    ident = tail[IDENTITY]
-    healthy = torch.addmv(tail[GUARD : GUARD + 1], ident.view(1, -1), ident).gt(0.5)  # (1,) bool
+    was bad (:func:`agreed`), and count the call in ``batches`` (``num_batches_tracked``) only if it was
+    good."""
+    healthy = agreed(payload[payload.numel() - TAIL :])
     if batches is not None:
         batches.add_(healthy.view(()))
     healthy = healthy.expand_as(out)  # one weight per element of ``out``
