@@ -19,6 +19,11 @@ def imported_before_the_worker(cfg):
     return [importlib.import_module(name).IMPORTED_BY != os.getpid() for name in cfg]
 
 
+def modules_at_start(cfg):
+    """Which of the modules named in ``cfg`` this worker has before it imports anything itself."""
+    return [name in sys.modules for name in cfg]
+
+
 def fail_on_rank_one(cfg):
     if int(os.environ["RANK"]) == 1:
         raise ValueError("rank one refuses")

@@ -79,6 +79,14 @@ def test_workers_start_with_the_modules_the_launching_process_imported(tmp_path)
     assert line == "result [True, True, False]"
 
 
+def test_workers_start_with_dynamo_which_their_optimizers_and_ddp_import():
+    """torch's optimizers and DDP import torch._dynamo when first built (about 1.5 s of CPU): the fork server
+    imports it once for every worker, though the launching process never did."""
+    setup = "import sys\nassert 'torch._dynamo' not in sys.modules"
+    line = _launch_in_a_subprocess("modules_at_start", ["torch._dynamo"], setup=setup, nproc_per_node=2)
+    assert line == "result [True]"
+
+
 @pytest.mark.parametrize(("fn", "expected"), [("keep_until_exit", "result 0"), ("fail_holding", "failed [")])
 def test_workers_end_without_interpreter_teardown(fn, expected):
     """A worker ends once its result or error is reported: a release that would block in interpreter

@@ -53,8 +53,13 @@ def _dataset(size: int) -> dict:
             _cfg(optim={"factory": {"_target_": "torch.optim.SGD", "momentum": -1.0}}),
             "optim.factory (torch.optim.SGD): ValueError: Invalid momentum value: -1.0",
         ),
+        (  # the built-in optimizer, built for the schedule's sake
+            _cfg(optim={"scheduler": {"_target_": "torch.optim.lr_scheduler.StepLR"}}),
+            "optim.scheduler (torch.optim.lr_scheduler.StepLR): TypeError: StepLR.__init__() missing 1 "
+            "required positional argument: 'step_size'",
+        ),
     ],
-    ids=["factory-raises", "misspelled-kwarg", "batch-too-large", "optimizer-rejects"],
+    ids=["factory-raises", "misspelled-kwarg", "batch-too-large", "optimizer-rejects", "scheduler-rejects"],
 )
 def test_a_piece_that_cannot_be_built_is_named_before_any_worker_starts(cfg, message):
     with pytest.raises(ConfigError) as error:
@@ -66,6 +71,20 @@ def test_the_check_builds_the_model_on_meta_and_passes_a_good_config():
     cfg = _cfg({"_target_": "train_fixtures.make_net_from_kwargs", "width": 4}, data={"batch_size": 15})
     cfg.data.train, cfg.data.test = _dataset(30), _dataset(8)
     check_buildable(cfg, world_size=2)  # no error: 15 samples per rank
+
+
+def test_checking_the_built_in_optimizer_leaves_dynamo_to_the_workers():
+    """Building a torch optimizer imports torch._dynamo (about 1.5 s of CPU before any worker could start);
+    the built-in optimizer and schedule take only values the config checked, so the launching process
+    builds neither (the workers' fork server imports dynamo once for them, see test_elastic)."""
+    code = (
+        "import sys\nfrom distsync.train import TrainConfig\n"
+        "from distsync.train.build import check_buildable\n"
+        "check_buildable(TrainConfig(), 2)\nprint('torch._dynamo' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False"]
 
 
 def test_a_config_error_only_the_workers_see_is_not_restarted(tmp_path, monkeypatch, capsys):

@@ -155,7 +155,8 @@ def check_buildable(cfg: TrainConfig, world_size: int) -> None:
 
     The datasets are built as the workers build them; the model on the meta device (no memory, no
     initialization), or on the CPU for a factory that cannot run on meta; the optimizer and the schedule
-    over its parameters.
+    over its parameters where a factory gives them (building torch's optimizers imports ``torch._dynamo``,
+    which this process would otherwise not need).
     """
     with warnings.catch_warnings():  # the workers warn about whatever deserves it
         warnings.simplefilter("ignore")
@@ -167,6 +168,8 @@ def check_buildable(cfg: TrainConfig, world_size: int) -> None:
         if cfg.model.loss:
             with building("model.loss", cfg.model.loss):
                 instantiate(cfg.model.loss)
+        if not (cfg.optim.factory or cfg.optim.scheduler):
+            return  # the built-in optimizer and schedule take only values the config has checked
         with building("optim.factory" if cfg.optim.factory else "optim", cfg.optim.factory):
             optimizer = build_optimizer(cfg, model)
         with building("optim.scheduler" if cfg.optim.scheduler else "optim", cfg.optim.scheduler):

@@ -188,7 +188,7 @@ class TrainerConfig:
     """Summary field returned to Hydra (the value sweepers optimize)."""
     progress: bool = True
     """Progress bar on rank 0 when stderr is a terminal; plain log lines otherwise."""
-    monitor_interval: float = 0.5
+    monitor_interval: float = 0.1
     """Seconds between the elastic agent's health checks of its workers."""
     rdzv_endpoint: str = ""
     """``host:port`` of the c10d rendezvous; empty: localhost on a free port (single node)."""
