@@ -66,6 +66,12 @@ def run_job(args: list, cwd: Path, timeout: float = 150, **env: str) -> subproce
     return proc
 
 
+def unexpected_keyword(function: str, keyword: str, meant: str) -> str:
+    """Python's ``TypeError`` message for a misspelled keyword argument; from 3.13 it names the one meant."""
+    message = f"{function}() got an unexpected keyword argument '{keyword}'"
+    return message + (f". Did you mean '{meant}'?" if sys.version_info >= (3, 13) else "")
+
+
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launching import FAST, SCRIPT, job_env, run_job
+from launching import FAST, SCRIPT, job_env, run_job, unexpected_keyword
 
 import distsync
 from distsync.launching.elastic import NonRetryableError
@@ -43,7 +43,7 @@ def _dataset(size: int) -> dict:
         (  # passes the signature check (**kwargs), fails when called
             _cfg({"_target_": "train_fixtures.make_net_from_kwargs", "num_clases": 10}),
             "model.factory (train_fixtures.make_net_from_kwargs): TypeError: "
-            "_KeywordNet.__init__() got an unexpected keyword argument 'num_clases'",
+            + unexpected_keyword("_KeywordNet.__init__", "num_clases", "num_classes"),
         ),
         (
             _cfg(data={"train": _dataset(30), "test": _dataset(8), "batch_size": 16}),
@@ -160,7 +160,7 @@ def test_the_command_line_says_it_in_one_line_and_leaves_no_run_directory(tmp_pa
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [
         "Error: model.factory (train_fixtures.make_net_from_kwargs): TypeError: "
-        "_KeywordNet.__init__() got an unexpected keyword argument 'num_clases'"
+        + unexpected_keyword("_KeywordNet.__init__", "num_clases", "num_classes")
     ]
     assert not (tmp_path / "run").exists()
 
