@@ -43,7 +43,7 @@ from distsync._syncbn.unwrapped import meet_callers
 
 __all__ = ["TRACEABLE", "prepare", "register", "sync_batch_norm"]
 
-# Whether this torch's compiler traces the synchronized call whole (validated on 2.11, 2.13 and 2.14; 2.4 and
+# Whether this torch's compiler traces the synchronized call whole (validated on 2.11 to 2.14; 2.4 and
 # 2.6 fail on dynamic shapes, batch-norm subclasses' routing mode or the collective's gradient). Elsewhere a
 # compiled model runs each synchronized call eagerly between graphs: the same results, and fullgraph=True
 # refuses the model (tests/test_compile.py checks both).
