@@ -485,7 +485,8 @@ def test_an_optuna_driver_sigtermed_mid_study_and_run_again_finishes_each_trial_
     both under their numbers in their job dirs from those checkpoints (its heartbeat said the first sweep
     ended: no grace period to wait) and runs the third: exit 0, every trial finished once, none refused."""
     args = ["hydra.sweeper.n_trials=3", "hydra.sweeper.direction=maximize", "optim.lr=interval(0.05,0.2)"]
-    args += [*TINY[:2], "trainer.max_steps=400", *TINY[3:]]  # long enough to be stopped (at about step 20)
+    # long enough to be stopped (at about step 20) on a fast machine too, where a step takes a few ms
+    args += [*TINY[:2], "trainer.max_steps=1000", *TINY[3:]]
     sweep = tmp_path / "sweep"
     driver = _optuna_sweep(slurm_cluster, tmp_path, *args)
     wait_until(
@@ -508,11 +509,11 @@ def test_an_optuna_driver_sigtermed_mid_study_and_run_again_finishes_each_trial_
     assert "Study distsync: 3 of n_trials=3 finished" in out_again, out_again[-4000:]
     for n in ("0", "1"):
         s = summary(sweep / n)
-        assert s["steps"] == 400 and s["resumed_from_step"] == saved_at[n], (n, s)
+        assert s["steps"] == 1000 and s["resumed_from_step"] == saved_at[n], (n, s)
         steps = train_steps(sweep / n)
-        assert steps == sorted(set(steps)) and steps[-1] == 400, n  # went on, not over
+        assert steps == sorted(set(steps)) and steps[-1] == 1000, n  # went on, not over
         assert f"trial #{n}: its sweep is gone (it ended); this sweep resumes it" in out_again
-    assert summary(sweep / "2")["steps"] == 400
+    assert summary(sweep / "2")["steps"] == 1000
     assert not (sweep / "3").exists()  # no fourth trial: the interrupted ones kept their numbers
     assert "UpdateFinishedTrialError" not in out + out_again
 
@@ -526,7 +527,9 @@ def test_an_optuna_driver_killed_with_sigkill_leaves_its_job_to_the_next_sweep(s
     heartbeat = 2  # seconds; a sweep silent for twice that (grace_period) is gone
     args = ["hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", "hydra.sweeper.direction=maximize"]
     args += [f"hydra.sweeper.heartbeat_interval={heartbeat}", "optim.lr=interval(0.05,0.2)"]
-    args += [*TINY[:2], "trainer.max_steps=1000", *TINY[3:]]  # still training when taken over
+    # still training when the rerun takes it over: the 4.5 s wait and the rerun's start after the kill took
+    # longer than 1000 steps on a loaded machine (the rerun found the trial complete)
+    args += [*TINY[:2], "trainer.max_steps=3000", *TINY[3:]]
     sweep = tmp_path / "sweep"
     driver = _optuna_sweep(slurm_cluster, tmp_path, *args)
     wait_until(lambda: _trial_dirs_training(sweep, ("0",), 3), 300, "trial #0 trains", slurm_cluster)
@@ -544,8 +547,8 @@ def test_an_optuna_driver_killed_with_sigkill_leaves_its_job_to_the_next_sweep(s
     assert len(_sweep_jobs(sweep)) == 2  # trial #0's job waited for, not submitted again
     assert slurm_cluster.job(job).get("JobState", "COMPLETED") == "COMPLETED"
     s = summary(sweep / "0")
-    assert s["steps"] == 1000 and not s.get("resumed_from_step"), s
-    assert summary(sweep / "1")["steps"] == 1000
+    assert s["steps"] == 3000 and not s.get("resumed_from_step"), s
+    assert summary(sweep / "1")["steps"] == 3000
     silent = re.search(r"trial #0: its sweep is gone \(its heartbeat silent for ([0-9.]+) s\)", out)
     assert silent and float(silent.group(1)) > 2 * heartbeat, out  # past grace_period
     print(f"trial #0 taken over after a heartbeat silence of {silent.group(1)} s; the rerun took "
@@ -557,7 +560,7 @@ def test_an_optuna_trial_whose_slurm_job_is_requeued_resumes_in_the_same_job(slu
     save a checkpoint, the same job runs again in the trial's job dir and resumes there; the sweep waits
     for that job's result (no second job, no relaunch), and the study ends with every trial complete."""
     args = ["hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", "hydra.sweeper.direction=maximize"]
-    args += ["optim.lr=interval(0.05,0.2)", *TINY[:2], "trainer.max_steps=400", *TINY[3:]]
+    args += ["optim.lr=interval(0.05,0.2)", *TINY[:2], "trainer.max_steps=1000", *TINY[3:]]  # see above
     sweep = tmp_path / "sweep"
     driver = _optuna_sweep(slurm_cluster, tmp_path, *args)
     wait_until(lambda: _trial_dirs_training(sweep, ("0",), 3), 300, "trial #0 trains", slurm_cluster)
@@ -572,4 +575,4 @@ def test_an_optuna_trial_whose_slurm_job_is_requeued_resumes_in_the_same_job(slu
     assert slurm_cluster.job(job).get("Restarts", "1") == "1"
     assert "ended without a result" not in out and len(_sweep_jobs(sweep)) == 2  # one job per trial
     s = summary(sweep / "0")
-    assert s["steps"] == 400 and s["resumed_from_step"] == int(saved.stem.removeprefix("step_")), s
+    assert s["steps"] == 1000 and s["resumed_from_step"] == int(saved.stem.removeprefix("step_")), s
