@@ -560,7 +560,8 @@ def test_an_optuna_trial_whose_slurm_job_is_requeued_resumes_in_the_same_job(slu
     save a checkpoint, the same job runs again in the trial's job dir and resumes there; the sweep waits
     for that job's result (no second job, no relaunch), and the study ends with every trial complete."""
     args = ["hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", "hydra.sweeper.direction=maximize"]
-    args += ["optim.lr=interval(0.05,0.2)", *TINY[:2], "trainer.max_steps=1000", *TINY[3:]]  # see above
+    # long enough to be requeued mid-training on a fast machine too, where a step takes a few ms
+    args += ["optim.lr=interval(0.05,0.2)", *TINY[:2], "trainer.max_steps=1000", *TINY[3:]]
     sweep = tmp_path / "sweep"
     driver = _optuna_sweep(slurm_cluster, tmp_path, *args)
     wait_until(lambda: _trial_dirs_training(sweep, ("0",), 3), 300, "trial #0 trains", slurm_cluster)
