@@ -11,6 +11,7 @@ import time
 
 import pytest
 from launching import FAST, ROOT, SCRIPT, job_env, metric_steps, run_job, summary
+from paced_data import PACED, pythonpath
 
 
 @pytest.mark.slow
@@ -41,9 +42,12 @@ def test_sigterm_stops_the_whole_sweep_and_leaves_the_job_resumable(tmp_path):
 
 
 # No periodic checkpoint, no evaluation until the end: an interrupted run can only resume from what the
-# signal made it save.
+# signal made it save. A tiny CNN on data read at a fixed pace (tests/paced_data.py): still training when
+# the signal comes, 5 s after the first logged step or more, on any machine.
 INTERRUPTIBLE = [
-    "trainer.max_steps=400",
+    *PACED,
+    "model.channels=[8,8]",
+    "trainer.max_steps=100",
     "trainer.log_every=5",
     "trainer.eval_every=1000",
     "trainer.monitor_interval=0.2",
@@ -57,7 +61,7 @@ def never_interrupted(tmp_path_factory) -> dict:
     run of it must end with."""
     where = tmp_path_factory.mktemp("straight")
     args = [sys.executable, str(SCRIPT), f"hydra.run.dir={where / 'run'}", *INTERRUPTIBLE]
-    assert run_job(args, where).returncode == 0
+    assert run_job(args, where, PYTHONPATH=pythonpath()).returncode == 0
     return summary(where / "run")
 
 
@@ -69,7 +73,8 @@ def test_an_interrupt_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, s
     run_dir = tmp_path / "run"
     args = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", *INTERRUPTIBLE]
     with (tmp_path / "err").open("w") as err:
-        proc = subprocess.Popen(args, cwd=tmp_path, env=job_env(), stdout=subprocess.DEVNULL, stderr=err)
+        env = job_env(PYTHONPATH=pythonpath())
+        proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + 120
         while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -78,14 +83,14 @@ def test_an_interrupt_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, s
     assert code == 128 + signum, (tmp_path / "err").read_text()[-3000:]
     (saved,) = (run_dir / "checkpoints").glob("step_*.pt")
     step = int(saved.stem.removeprefix("step_"))
-    assert 5 <= step < 400 and step % 5 == 0  # at a logging step, after the signal
+    assert 5 <= step < 100 and step % 5 == 0  # at a logging step, after the signal
     assert (
         f"stopped by {signal.Signals(signum).name} at step {step}"
         in (run_dir / "logs" / "rank1.log").read_text()
     )
-    assert run_job(args, tmp_path).returncode == 0
+    assert run_job(args, tmp_path, PYTHONPATH=pythonpath()).returncode == 0
     resumed, reference = summary(run_dir), never_interrupted
-    assert resumed["resumed_from_step"] == step and resumed["steps"] == 400
+    assert resumed["resumed_from_step"] == step and resumed["steps"] == 100
     for key in ("final_loss", "accuracy", "eval_loss"):
         assert resumed[key] == reference[key], key
 

@@ -13,14 +13,16 @@ from pathlib import Path
 import pytest
 from launching import SCRIPT, job_env, run_job, summary
 from leftover_processes import running_in_group
+from paced_data import PACED, pythonpath
 
 from distsync.testing import timeout_scale
 
-# Tiny and quick: a synthetic batch of a two-block CNN, no periodic checkpoint or evaluation to hide behind
+# Tiny: a two-block CNN on synthetic data read at a fixed pace (tests/paced_data.py: still training 5 s
+# after its first logged step, on any machine), no periodic checkpoint or evaluation to hide behind
 JOB = [
-    "data=synthetic",
+    *PACED,
     "model.channels=[8,8]",
-    "trainer.max_steps=300",
+    "trainer.max_steps=100",
     "trainer.log_every=5",
     "trainer.eval_every=1000",
     "trainer.checkpoint_every=1000",
@@ -43,11 +45,14 @@ def test_sigterm_to_every_process_of_the_job_keeps_the_steps_and_resumes_exactly
     it, every rank saves at the next logging step, the launcher waits for that and exits 143, nothing of the
     job is left running, and the run directory then finishes with the numbers of a run never interrupted."""
     straight, run_dir = tmp_path / "straight", tmp_path / "run"
-    assert run_job([sys.executable, str(SCRIPT), f"hydra.run.dir={straight}", *JOB], tmp_path).returncode == 0
+    paced = pythonpath()
+    command = [sys.executable, str(SCRIPT), f"hydra.run.dir={straight}", *JOB]
+    assert run_job(command, tmp_path, PYTHONPATH=paced).returncode == 0
     args = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", *JOB]
     with (tmp_path / "err").open("w") as err:
+        env = job_env(PYTHONPATH=paced)
         proc = subprocess.Popen(
-            args, cwd=tmp_path, env=job_env(), stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
+            args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
         )
         deadline = time.monotonic() + 120 * timeout_scale()
         while len(train_rows(run_dir)) < 2 and time.monotonic() < deadline and proc.poll() is None:
@@ -59,16 +64,16 @@ def test_sigterm_to_every_process_of_the_job_keeps_the_steps_and_resumes_exactly
     assert code == 128 + signal.SIGTERM, stderr[-3000:]
     (saved,) = (run_dir / "checkpoints").glob("step_*.pt")
     step = int(saved.stem.removeprefix("step_"))
-    assert step % 5 == 0 and logged_before <= step < 300  # the next logging step after the signal
+    assert step % 5 == 0 and logged_before <= step < 100  # the next logging step after the signal
     assert train_rows(run_dir)[-1] == step  # no logged step lost
     assert f"stopped by SIGTERM at step {step}" in (run_dir / "logs" / "rank1.log").read_text()
     deadline = time.monotonic() + 10 * timeout_scale()
     while running_in_group(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not running_in_group(proc.pid), "a process of the job outlived it"
-    assert run_job(args, tmp_path).returncode == 0
+    assert run_job(args, tmp_path, PYTHONPATH=paced).returncode == 0
     resumed, reference = summary(run_dir), summary(straight)
-    assert resumed["resumed_from_step"] == step and resumed["steps"] == 300
+    assert resumed["resumed_from_step"] == step and resumed["steps"] == 100
     for key in ("final_loss", "accuracy", "eval_loss"):
         assert resumed[key] == reference[key], key
 

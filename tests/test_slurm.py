@@ -1,7 +1,8 @@
 """The packaged job on a real SLURM cluster of two nodes on this machine (tests/slurm_cluster.py), submitted
 as a user submits it: the job script of docs/training.md (examples/slurm/train.sbatch), Hydra's submitit
 launcher, ``scontrol requeue``, ``scancel``, the time limit's ``--signal``. Each job is tiny (a two-block CNN
-on synthetic data, one gloo worker per node) so the whole file takes a few minutes on two cores."""
+on synthetic data, one gloo worker per node); the jobs a test acts on while they train read that data at a
+fixed pace (tests/paced_data.py), so they train for a known time on any machine, mostly asleep."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from launching import ROOT, SCRIPT, job_env, summary
+from paced_data import PACED, pythonpath
 from slurm_cluster import SlurmCluster
 
 from distsync.launching.slurm_rendezvous import slurm_port, slurm_ports
@@ -38,14 +40,19 @@ TINY = [
     "trainer.checkpoint_every=1000",
     "trainer.monitor_interval=0.2",
 ]
+# The jobs a test acts on while they train read their data at a fixed pace (tests/paced_data.py): a trial
+# of N steps trains for N * SECONDS_PER_BATCH seconds or more on any machine, mostly asleep.
+TINY_PACED = [*TINY, *PACED]
+TRIAL = [option for option in TINY_PACED if not option.startswith("trainer.max_steps=")]  # a study's trial
 SMALL = ["--cpus-per-task=1"]  # the script asks for 4 cores per node: two jobs at once share these nodes
 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")  # the states of a job that has ended
 
 
 def user_env(cluster: SlurmCluster) -> dict[str, str]:
-    """A user's shell on the login node: this venv's python first on PATH, the cluster's SLURM_CONF."""
-    env = {**job_env(), "SLURM_CONF": cluster.env["SLURM_CONF"]}
+    """A user's shell on the login node: this venv's python first on PATH, the cluster's SLURM_CONF, and
+    the jobs' PACED data importable."""
+    env = {**job_env(PYTHONPATH=pythonpath()), "SLURM_CONF": cluster.env["SLURM_CONF"]}
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), cluster.env["PATH"]])
     return env
 
@@ -230,7 +237,7 @@ def test_two_jobs_sharing_their_first_node_meet_apart(slurm_cluster, tmp_path):
     that a fast machine cannot finish it before the second has run)."""
     first_dir, second_dir = tmp_path / "first", tmp_path / "second"
     first_dir.mkdir(), second_dir.mkdir()
-    first = submit(slurm_cluster, first_dir, *TINY, "trainer.max_steps=1000000")
+    first = submit(slurm_cluster, first_dir, *TINY_PACED, "trainer.max_steps=1000000")
     first_run = first_dir / "outputs" / "slurm" / f"{first}.0"
     wait_until(lambda: len(train_steps(first_run)) >= 2, 120, "the first job does not train", slurm_cluster)
     second = submit(slurm_cluster, second_dir, *TINY)
@@ -263,7 +270,9 @@ def test_jobs_whose_ports_collide_and_a_port_another_program_holds_meet_apart(sl
     store and the program, meet at its third port and finish; every node of both ends as it should."""
     first_dir, second_dir = tmp_path / "first", tmp_path / "second"
     first_dir.mkdir(), second_dir.mkdir()
-    first = submit(slurm_cluster, first_dir, *TINY, "trainer.max_steps=1000000", options=(*SMALL, "--hold"))
+    first = submit(
+        slurm_cluster, first_dir, *TINY_PACED, "trainer.max_steps=1000000", options=(*SMALL, "--hold")
+    )
     slurm_cluster.number_next_job(int(first) + 10000)
     slurm_cluster.scontrol("release", first)
     ports = slurm_ports(int(first) + 10000)
@@ -329,7 +338,7 @@ def test_signal_before_the_time_limit_saves_and_the_script_requeues_itself(slurm
     steps ahead of the time limit; every rank saves, the script sees 143 and requeues the job, which resumes
     where it saved."""
     job_id = submit(
-        slurm_cluster, tmp_path, *TINY, "trainer.max_steps=1000000",
+        slurm_cluster, tmp_path, *TINY_PACED, "trainer.max_steps=1000000",
         options=(*SMALL, "--time=2", "--signal=TERM@30"),
     )  # fmt: skip
     run_dir = tmp_path / "outputs" / "slurm" / f"{job_id}.0"
@@ -405,12 +414,12 @@ def _seconds(stamp: str) -> float:
 
 def test_an_optuna_study_through_submitit_keeps_both_slots_busy(slurm_cluster, tmp_path):
     """``hydra/sweeper=distsync_optuna`` through ``hydra/launcher=submitit_slurm``, ``n_jobs=2``: six trials
-    of unequal length (50 or 800 steps), each a SLURM job of two nodes; a trial is submitted as soon as a
-    slot frees, so the study takes little more than half the sum of its jobs' run times (batches of two
-    would wait for the longer trial of each pair)."""
+    of unequal length (50 or 600 paced steps: about 3 or 30 s of training), each a SLURM job of two nodes; a
+    trial is submitted as soon as a slot frees, so the study takes little more than half the sum of its
+    jobs' run times (batches of two would wait for the longer trial of each pair, 27 s or more)."""
     grid = ["hydra/sweeper/sampler=grid", "hydra.sweeper.n_trials=6", "hydra.sweeper.direction=maximize"]
-    space = ["trainer.max_steps=choice(50,800)", "optim.lr=choice(0.05,0.1,0.2)"]
-    driver = _optuna_sweep(slurm_cluster, tmp_path, *grid, *space, *TINY[:2], *TINY[3:])
+    space = ["trainer.max_steps=choice(50,600)", "optim.lr=choice(0.05,0.1,0.2)"]
+    driver = _optuna_sweep(slurm_cluster, tmp_path, *grid, *space, *TRIAL)
     out, _ = driver.communicate(timeout=900 * timeout_scale())
     assert driver.returncode == 0, out[-4000:]
     sweep = tmp_path / "sweep"
@@ -427,7 +436,7 @@ def test_an_optuna_study_through_submitit_keeps_both_slots_busy(slurm_cluster, t
           f"ratio {wall / (ran / 2):.3f}; slot waits {gaps}")  # fmt: skip
     assert max(gaps) <= 15, gaps  # a sweep's turn and SLURM's scheduling, not the other slot's trial
     steps = sorted(summary(p)["steps"] for p in sweep.iterdir() if p.name.isdigit())
-    assert steps == [50, 50, 50, 800, 800, 800]
+    assert steps == [50, 50, 50, 600, 600, 600]
     assert wall <= 1.15 * ran / 2 + 15, (wall, ran, gaps)
 
 
@@ -436,7 +445,7 @@ def test_an_optuna_trial_whose_slurm_job_is_cancelled_resumes_in_its_job_dir(slu
     without a result; the sweep launches the trial again (same number, same job dir), which resumes from
     that checkpoint, and the study goes on: every trial completes and the sweep exits 0."""
     args = ["hydra.sweeper.n_trials=3", "hydra.sweeper.direction=maximize", "optim.lr=interval(0.05,0.2)"]
-    driver = _optuna_sweep(slurm_cluster, tmp_path, *args, *TINY[:2], "trainer.max_steps=300", *TINY[3:])
+    driver = _optuna_sweep(slurm_cluster, tmp_path, *args, "trainer.max_steps=200", *TRIAL)  # >= 10 s
     sweep = tmp_path / "sweep"
     run_dir = sweep / "1"
 
@@ -460,9 +469,9 @@ def test_an_optuna_trial_whose_slurm_job_is_cancelled_resumes_in_its_job_dir(slu
     assert driver.returncode == 0, out[-4000:]
     assert "trial #1: its job ended without a result" in out, out[-4000:]
     s = summary(run_dir)
-    assert s["steps"] == 300 and s["resumed_from_step"] == saved_at, s
+    assert s["steps"] == 200 and s["resumed_from_step"] == saved_at, s
     steps = train_steps(run_dir)
-    assert steps == sorted(set(steps)) and steps[-1] == 300  # went on from the checkpoint, not from 0
+    assert steps == sorted(set(steps)) and steps[-1] == 200  # went on from the checkpoint, not from 0
     study = out.split("Study distsync: ", 1)[1].splitlines()[0]
     assert study.startswith("3 of n_trials=3 finished"), study
     import yaml
@@ -470,7 +479,7 @@ def test_an_optuna_trial_whose_slurm_job_is_cancelled_resumes_in_its_job_dir(slu
     assert yaml.safe_load((run_dir / "trial.yaml").read_text())["state"] == "COMPLETE"
     assert yaml.safe_load((run_dir / "trial.yaml").read_text())["relaunched"] == 1
     for job in ("0", "2"):
-        assert summary(sweep / job)["steps"] == 300
+        assert summary(sweep / job)["steps"] == 200
 
 
 def _trial_dirs_training(sweep: Path, numbers: tuple[str, ...], steps: int) -> bool:
@@ -485,8 +494,7 @@ def test_an_optuna_driver_sigtermed_mid_study_and_run_again_finishes_each_trial_
     both under their numbers in their job dirs from those checkpoints (its heartbeat said the first sweep
     ended: no grace period to wait) and runs the third: exit 0, every trial finished once, none refused."""
     args = ["hydra.sweeper.n_trials=3", "hydra.sweeper.direction=maximize", "optim.lr=interval(0.05,0.2)"]
-    # long enough to be stopped (at about step 20) on a fast machine too, where a step takes a few ms
-    args += [*TINY[:2], "trainer.max_steps=1000", *TINY[3:]]
+    args += ["trainer.max_steps=200", *TRIAL]  # paced: 10 s or more, stopped at about step 5
     sweep = tmp_path / "sweep"
     driver = _optuna_sweep(slurm_cluster, tmp_path, *args)
     wait_until(
@@ -509,11 +517,11 @@ def test_an_optuna_driver_sigtermed_mid_study_and_run_again_finishes_each_trial_
     assert "Study distsync: 3 of n_trials=3 finished" in out_again, out_again[-4000:]
     for n in ("0", "1"):
         s = summary(sweep / n)
-        assert s["steps"] == 1000 and s["resumed_from_step"] == saved_at[n], (n, s)
+        assert s["steps"] == 200 and s["resumed_from_step"] == saved_at[n], (n, s)
         steps = train_steps(sweep / n)
-        assert steps == sorted(set(steps)) and steps[-1] == 1000, n  # went on, not over
+        assert steps == sorted(set(steps)) and steps[-1] == 200, n  # went on, not over
         assert f"trial #{n}: its sweep is gone (it ended); this sweep resumes it" in out_again
-    assert summary(sweep / "2")["steps"] == 1000
+    assert summary(sweep / "2")["steps"] == 200
     assert not (sweep / "3").exists()  # no fourth trial: the interrupted ones kept their numbers
     assert "UpdateFinishedTrialError" not in out + out_again
 
@@ -527,9 +535,9 @@ def test_an_optuna_driver_killed_with_sigkill_leaves_its_job_to_the_next_sweep(s
     heartbeat = 2  # seconds; a sweep silent for twice that (grace_period) is gone
     args = ["hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", "hydra.sweeper.direction=maximize"]
     args += [f"hydra.sweeper.heartbeat_interval={heartbeat}", "optim.lr=interval(0.05,0.2)"]
-    # still training when the rerun takes it over: the 4.5 s wait and the rerun's start after the kill took
-    # longer than 1000 steps on a loaded machine (the rerun found the trial complete)
-    args += [*TINY[:2], "trainer.max_steps=3000", *TINY[3:]]
+    # paced: 30 s or more, still training when the rerun takes it over (the 4.5 s wait and the rerun's start
+    # after the kill took longer than 1000 unpaced steps on a loaded machine: the rerun found it complete)
+    args += ["trainer.max_steps=600", *TRIAL]
     sweep = tmp_path / "sweep"
     driver = _optuna_sweep(slurm_cluster, tmp_path, *args)
     wait_until(lambda: _trial_dirs_training(sweep, ("0",), 3), 300, "trial #0 trains", slurm_cluster)
@@ -547,8 +555,8 @@ def test_an_optuna_driver_killed_with_sigkill_leaves_its_job_to_the_next_sweep(s
     assert len(_sweep_jobs(sweep)) == 2  # trial #0's job waited for, not submitted again
     assert slurm_cluster.job(job).get("JobState", "COMPLETED") == "COMPLETED"
     s = summary(sweep / "0")
-    assert s["steps"] == 3000 and not s.get("resumed_from_step"), s
-    assert summary(sweep / "1")["steps"] == 3000
+    assert s["steps"] == 600 and not s.get("resumed_from_step"), s
+    assert summary(sweep / "1")["steps"] == 600
     silent = re.search(r"trial #0: its sweep is gone \(its heartbeat silent for ([0-9.]+) s\)", out)
     assert silent and float(silent.group(1)) > 2 * heartbeat, out  # past grace_period
     print(f"trial #0 taken over after a heartbeat silence of {silent.group(1)} s; the rerun took "
@@ -560,8 +568,7 @@ def test_an_optuna_trial_whose_slurm_job_is_requeued_resumes_in_the_same_job(slu
     save a checkpoint, the same job runs again in the trial's job dir and resumes there; the sweep waits
     for that job's result (no second job, no relaunch), and the study ends with every trial complete."""
     args = ["hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1", "hydra.sweeper.direction=maximize"]
-    # long enough to be requeued mid-training on a fast machine too, where a step takes a few ms
-    args += ["optim.lr=interval(0.05,0.2)", *TINY[:2], "trainer.max_steps=1000", *TINY[3:]]
+    args += ["optim.lr=interval(0.05,0.2)", "trainer.max_steps=300", *TRIAL]  # paced: 15 s or more
     sweep = tmp_path / "sweep"
     driver = _optuna_sweep(slurm_cluster, tmp_path, *args)
     wait_until(lambda: _trial_dirs_training(sweep, ("0",), 3), 300, "trial #0 trains", slurm_cluster)
@@ -576,4 +583,4 @@ def test_an_optuna_trial_whose_slurm_job_is_requeued_resumes_in_the_same_job(slu
     assert slurm_cluster.job(job).get("Restarts", "1") == "1"
     assert "ended without a result" not in out and len(_sweep_jobs(sweep)) == 2  # one job per trial
     s = summary(sweep / "0")
-    assert s["steps"] == 1000 and s["resumed_from_step"] == int(saved.stem.removeprefix("step_")), s
+    assert s["steps"] == 300 and s["resumed_from_step"] == int(saved.stem.removeprefix("step_")), s
