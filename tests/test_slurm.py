@@ -494,7 +494,7 @@ def test_an_optuna_driver_sigtermed_mid_study_and_run_again_finishes_each_trial_
     both under their numbers in their job dirs from those checkpoints (its heartbeat said the first sweep
     ended: no grace period to wait) and runs the third: exit 0, every trial finished once, none refused."""
     args = ["hydra.sweeper.n_trials=3", "hydra.sweeper.direction=maximize", "optim.lr=interval(0.05,0.2)"]
-    args += ["trainer.max_steps=200", *TRIAL]  # paced: 10 s or more, stopped at about step 5
+    args += ["trainer.max_steps=200", *TRIAL]  # paced: 10 s or more, stopped at about step 20
     sweep = tmp_path / "sweep"
     driver = _optuna_sweep(slurm_cluster, tmp_path, *args)
     wait_until(
