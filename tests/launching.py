@@ -12,7 +12,8 @@ from pathlib import Path
 
 from distsync.testing import timeout_scale
 
-ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 SCRIPT = ROOT / "launch" / "train.py"
 EXAMPLE_APP = ROOT / "examples" / "hydra_app"
 RUN_OUTPUTS = ("outputs", "multirun", "__pycache__")
@@ -35,10 +36,13 @@ def copy_example_app(dest: Path, source: Path = EXAMPLE_APP) -> Path:
 
 
 def job_env(**extra: str) -> dict[str, str]:
-    """This environment without torchrun's, the test hooks' or HYDRA_FULL_ERROR, plus ``extra``."""
+    """This environment without torchrun's, the test hooks' or HYDRA_FULL_ERROR, plus ``extra``; the tests'
+    folder comes first on the ``PYTHONPATH`` (``extra``'s or this one's), so that every process of a job
+    imports the tests' own modules (``paced_data``, ``bn_subclasses``, ...) as the tests do."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "DISTSYNC_TEST_"))}
     env.pop("HYDRA_FULL_ERROR", None)
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     return env
 
 

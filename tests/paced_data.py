@@ -12,9 +12,7 @@ call: one sleep per batch.
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
@@ -25,7 +23,7 @@ from distsync.train.data import load_data
 SECONDS_PER_BATCH = 0.05
 
 # Overrides of the packaged job (Hydra's command line) that make its training data paced; the job's
-# processes import this module, with the PYTHONPATH of :func:`pythonpath`.
+# processes import this module (``launching.job_env`` puts the tests' folder on their PYTHONPATH).
 PACED = [
     "data.num_workers=0",  # read by the rank itself, which then sleeps
     "+data.train._target_=paced_data.PacedSynthetic",
@@ -34,12 +32,6 @@ PACED = [
     "+data.test._target_=paced_data.PacedSynthetic",
     "+data.test.split=test",
 ]
-
-
-def pythonpath() -> str:
-    """The ``PYTHONPATH`` of a job whose processes import this module: its folder, then this process's."""
-    paths = [str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")]
-    return os.pathsep.join(filter(None, paths))
 
 
 class PacedSynthetic(Dataset):

@@ -3,7 +3,6 @@
 import copy
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -261,6 +260,6 @@ def test_a_reverted_copy_pickles_without_distsync_and_training_goes_on(tmp_path)
         "import sys; sys.modules['distsync'] = None; import torch; "
         f"print(*(type(m).__name__ for m in torch.load({str(path)!r}, weights_only=False)))"
     )
-    proc = run_job([sys.executable, "-c", script], tmp_path, 60, PYTHONPATH=str(Path(__file__).parent))
+    proc = run_job([sys.executable, "-c", script], tmp_path, 60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["Conv2d", "BatchNorm2d", "ReluNorm2d", "BatchNorm1d"]

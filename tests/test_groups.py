@@ -1,7 +1,6 @@
 """Synced BN within groups of k ranks equals float64 BatchNorm on each group's concatenated batch."""
 
 import json
-import os
 import subprocess
 import sys
 import uuid
@@ -98,8 +97,7 @@ def _run_nodes(tmp_path, ranks_per_node, *worker_args):
     script = Path(__file__).with_name("node_group_worker.py")
     endpoint = f"localhost:{free_port()}"
     rdzv_id = f"nodes-{uuid.uuid4().hex[:8]}"
-    here = (Path(__file__).parent, Path(distsync.__file__).parents[1])  # the worker; the distsync under test
-    env = job_env(PYTHONPATH=os.pathsep.join(map(str, here)))
+    env = job_env(PYTHONPATH=str(Path(distsync.__file__).parents[1]))  # the distsync under test
     agents = [
         subprocess.Popen(
             [

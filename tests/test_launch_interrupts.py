@@ -11,7 +11,7 @@ import time
 
 import pytest
 from launching import FAST, ROOT, SCRIPT, job_env, metric_steps, run_job, summary
-from paced_data import PACED, pythonpath
+from paced_data import PACED
 
 
 @pytest.mark.slow
@@ -61,7 +61,7 @@ def never_interrupted(tmp_path_factory) -> dict:
     run of it must end with."""
     where = tmp_path_factory.mktemp("straight")
     args = [sys.executable, str(SCRIPT), f"hydra.run.dir={where / 'run'}", *INTERRUPTIBLE]
-    assert run_job(args, where, PYTHONPATH=pythonpath()).returncode == 0
+    assert run_job(args, where).returncode == 0
     return summary(where / "run")
 
 
@@ -73,7 +73,7 @@ def test_an_interrupt_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, s
     run_dir = tmp_path / "run"
     args = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", *INTERRUPTIBLE]
     with (tmp_path / "err").open("w") as err:
-        env = job_env(PYTHONPATH=pythonpath())
+        env = job_env()
         proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.monotonic() + 120
         while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:
@@ -88,7 +88,7 @@ def test_an_interrupt_saves_a_checkpoint_and_the_run_resumes_exactly(tmp_path, s
         f"stopped by {signal.Signals(signum).name} at step {step}"
         in (run_dir / "logs" / "rank1.log").read_text()
     )
-    assert run_job(args, tmp_path, PYTHONPATH=pythonpath()).returncode == 0
+    assert run_job(args, tmp_path).returncode == 0
     resumed, reference = summary(run_dir), never_interrupted
     assert resumed["resumed_from_step"] == step and resumed["steps"] == 100
     for key in ("final_loss", "accuracy", "eval_loss"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from launching import SCRIPT, job_env, run_job, summary
 from leftover_processes import running_in_group
-from paced_data import PACED, pythonpath
+from paced_data import PACED
 
 from distsync.testing import timeout_scale
 
@@ -45,12 +45,11 @@ def test_sigterm_to_every_process_of_the_job_keeps_the_steps_and_resumes_exactly
     it, every rank saves at the next logging step, the launcher waits for that and exits 143, nothing of the
     job is left running, and the run directory then finishes with the numbers of a run never interrupted."""
     straight, run_dir = tmp_path / "straight", tmp_path / "run"
-    paced = pythonpath()
     command = [sys.executable, str(SCRIPT), f"hydra.run.dir={straight}", *JOB]
-    assert run_job(command, tmp_path, PYTHONPATH=paced).returncode == 0
+    assert run_job(command, tmp_path).returncode == 0
     args = [sys.executable, str(SCRIPT), f"hydra.run.dir={run_dir}", *JOB]
     with (tmp_path / "err").open("w") as err:
-        env = job_env(PYTHONPATH=paced)
+        env = job_env()
         proc = subprocess.Popen(
             args, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True
         )
@@ -71,7 +70,7 @@ def test_sigterm_to_every_process_of_the_job_keeps_the_steps_and_resumes_exactly
     while running_in_group(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not running_in_group(proc.pid), "a process of the job outlived it"
-    assert run_job(args, tmp_path, PYTHONPATH=paced).returncode == 0
+    assert run_job(args, tmp_path).returncode == 0
     resumed, reference = summary(run_dir), summary(straight)
     assert resumed["resumed_from_step"] == step and resumed["steps"] == 100
     for key in ("final_loss", "accuracy", "eval_loss"):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from launching import ROOT, SCRIPT, job_env, summary
-from paced_data import PACED, pythonpath
+from paced_data import PACED
 from slurm_cluster import SlurmCluster
 
 from distsync.launching.slurm_rendezvous import slurm_port, slurm_ports
@@ -52,7 +52,7 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")  # the states of a job t
 def user_env(cluster: SlurmCluster) -> dict[str, str]:
     """A user's shell on the login node: this venv's python first on PATH, the cluster's SLURM_CONF, and
     the jobs' PACED data importable."""
-    env = {**job_env(PYTHONPATH=pythonpath()), "SLURM_CONF": cluster.env["SLURM_CONF"]}
+    env = {**job_env(), "SLURM_CONF": cluster.env["SLURM_CONF"]}
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), cluster.env["PATH"]])
     return env
 

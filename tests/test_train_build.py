@@ -155,7 +155,6 @@ def test_the_command_line_says_it_in_one_line_and_leaves_no_run_directory(tmp_pa
             "trainer.max_restarts=3",
         ],
         cwd=tmp_path,
-        PYTHONPATH=str(SCRIPT.parents[1] / "tests"),
     )
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 from launching import run_job
@@ -160,8 +159,7 @@ def test_plotting_leaves_the_apps_matplotlib_backend_and_pyplot_alone(tmp_path):
         "_plot(out, t._sweep_jobs(out), ['a', 'b'])\n"
         "print(matplotlib.get_backend(), 'matplotlib.pyplot' in sys.modules)\n"
     )
-    tests = str(Path(__file__).parent)
-    proc = run_job([sys.executable, "-c", code, str(tmp_path)], tmp_path, MPLBACKEND="svg", PYTHONPATH=tests)
+    proc = run_job([sys.executable, "-c", code, str(tmp_path)], tmp_path, MPLBACKEND="svg")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["svg", "False"]
     for png in ("curves.png", "sweep_curves.png"):
