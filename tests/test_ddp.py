@@ -1,5 +1,6 @@
 """A DDP training step with DistSyncBatchNorm equals single-process training on the full batch."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 import distsync
 from distsync.testing import free_port, run_world
@@ -38,14 +40,20 @@ def _batches(world_size, steps):
         yield x, torch.randint(0, 3, (world_size * PER_RANK,), generator=gen)
 
 
-def _train(model, batches, rank=0, per_rank=None):
+def _train(model, batches, rank=0, per_rank=None, accumulate=1):
+    """Train on ``batches`` (this rank's share of each, with ``per_rank``), one optimizer step per
+    ``accumulate`` of them; a DDP model averages gradients at the last one only (``no_sync()`` before)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
         if per_rank is not None:
             x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
+        if i % accumulate == 0:
+            optimizer.zero_grad()
+        last = i % accumulate == accumulate - 1
+        with contextlib.nullcontext() if last or per_rank is None else model.no_sync():
+            (nn.functional.cross_entropy(model(x), y) / accumulate).backward()
+        if last:
+            optimizer.step()
     module = getattr(model, "module", model)
     return {k: v.clone() for k, v in module.state_dict().items()}
 
@@ -61,6 +69,50 @@ def test_ddp_step_equals_single_process_full_batch():
     for state in run_world(_ddp_worker, 2, steps):
         for key, value in expected.items():
             torch.testing.assert_close(state[key], value, rtol=1e-9, atol=1e-10, msg=key)
+
+
+class _CheckpointedTail(nn.Sequential):
+    """``_net()``'s layers, those after the first ReLU under reentrant activation checkpointing."""
+
+    def forward(self, x):
+        layers = list(self)  # (a slice of a Sequential subclass is one of this class)
+        for layer in layers[:3]:
+            x = layer(x)
+        return checkpoint(nn.Sequential(*layers[3:]), x, use_reentrant=True)
+
+
+# DDP settings that users pick, each a model of its own in one world: DDP's keyword arguments (its default
+# buffer broadcast included), batches accumulated per optimizer step, the checkpointed model
+_DDP_SETTINGS = {
+    "static_graph": ({"static_graph": True}, 1, False),
+    "find_unused_parameters": ({"find_unused_parameters": True}, 1, False),
+    "no_sync() accumulation, gradient_as_bucket_view": ({"gradient_as_bucket_view": True}, 3, False),
+    "reentrant checkpointing, static_graph": ({"static_graph": True}, 1, True),
+}
+
+
+def _ddp_settings_worker(rank, world_size, steps):
+    states = {}
+    for name, (settings, accumulate, checkpointed) in _DDP_SETTINGS.items():
+        model = distsync.convert_sync_batchnorm(_net())
+        if checkpointed:
+            model = _CheckpointedTail(*model)
+        ddp = DistributedDataParallel(model, **settings)
+        states[name] = _train(ddp, _batches(world_size, steps * accumulate), rank, PER_RANK, accumulate)
+    return states
+
+
+def test_ddp_settings_users_pick_keep_the_full_batch_result():
+    """Under DDP's static graph, unused-parameter search, gradient accumulation with ``no_sync()`` and
+    reentrant checkpointing (which DDP needs a static graph for), training equals single-process training
+    on the full batches, accumulated alike, without checkpointing: the statistics move once per call."""
+    steps = 2
+    ranks = run_world(_ddp_settings_worker, 2, steps)
+    for name, (_, accumulate, _) in _DDP_SETTINGS.items():
+        expected = _train(_net(), _batches(2, steps * accumulate), accumulate=accumulate)
+        for state in (states[name] for states in ranks):
+            for key, value in expected.items():
+                torch.testing.assert_close(state[key], value, rtol=1e-9, atol=1e-10, msg=f"{name}: {key}")
 
 
 def test_init_distributed_under_torchrun_environment():
