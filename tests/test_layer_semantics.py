@@ -142,7 +142,24 @@ def _semantics_scenarios(rank, world_size):
     seen["eps=-1"] = _outcome(lambda: distsync.DistSyncBatchNorm2d(4, eps=-1.0)(_x()))
     # check_sync has nothing deferred on the CPU.
     seen["check_sync"] = _outcome(distsync.check_sync)
+    # torch.func.functional_call (ensembles, meta-learning): the call syncs with the tensors passed in and
+    # moves the running statistics passed in, not the layer's own.
+    model = _functional_model(distsync.convert_sync_batchnorm)
+    tensors = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    out = torch.func.functional_call(model, tensors, (_FUNCTIONAL_BATCH[_FUNCTIONAL_ROWS[rank]],))
+    seen["functional_call"] = out, tensors, model.state_dict()
     return seen
+
+
+_FUNCTIONAL_BATCH = (
+    torch.randn(5, 4, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3)) * 3 + 2
+)
+_FUNCTIONAL_ROWS = (slice(0, 2), slice(2, 5))  # each rank's share
+
+
+def _functional_model(convert=lambda model: model):
+    torch.manual_seed(2)
+    return convert(nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)).double())
 
 
 def test_torch_compatible_semantics_on_every_rank():
@@ -162,6 +179,16 @@ def test_torch_compatible_semantics_on_every_rank():
         assert seen["check_sync"] == (None, None)
         assert seen["only empty inputs"] == (None, (torch.Size([0, 4, 2, 2]), 0.0, 1))
     assert per_rank[0]["eval alone"] == (None, True)
+    model = _functional_model()
+    untouched = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    tensors = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    expected = torch.func.functional_call(model, tensors, (_FUNCTIONAL_BATCH,))
+    for rows, seen in zip(_FUNCTIONAL_ROWS, per_rank, strict=True):
+        out, moved, own = seen["functional_call"]
+        torch.testing.assert_close(out, expected[rows], rtol=1e-12, atol=1e-12)
+        for name, tensor in tensors.items():
+            torch.testing.assert_close(moved[name], tensor, rtol=1e-12, atol=1e-12, msg=name)
+            assert torch.equal(own[name], untouched[name]), name
 
 
 def _float64_far_from_zero(rank, world_size, ratio):
