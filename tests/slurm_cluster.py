@@ -55,6 +55,15 @@ def _timeout_scale() -> float:
 
 
 def _free_port() -> int:
+    """A port for a daemon: ``distsync.testing.free_port``'s, below the kernel's ephemeral range, which the
+    machine's outgoing connections (the tests' worlds) cannot take before the daemon binds it; the kernel's
+    pick (port 0) where distsync is not importable (this script run by hand elsewhere)."""
+    try:
+        from distsync.testing import free_port
+
+        return free_port()
+    except ImportError:
+        pass
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
