@@ -327,6 +327,7 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
         (a message) makes every participant raise at this call, this one with ``ValueError(problem)``.
         """
         output = self._synced_output(
+            torch.compiler.is_compiling(),
             input,
             weight,
             bias,
@@ -343,19 +344,19 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
         return output
 
     def _synced_output(
-        self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, check_dim,
-        problem,
+        self, compiled, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
+        check_dim, problem,
     ) -> Tensor | None:  # fmt: skip
-        compiled = torch.compiler.is_compiling()
         if compiled and not (
             _compiled.TRACEABLE and self._replica_reducer is None and self._sync_state.join is None
         ):
             # DataParallel replicas, layers inside DDP's Join (a joined rank learns each call from an
             # announcement) and torch releases whose compiler cannot trace the sync: this call runs eagerly
-            # between two graphs (the same result; fullgraph=True refuses the break)
+            # between two graphs (the same result; fullgraph=True refuses the break). Told so, not asked
+            # again: non-strict torch.export (torch < 2.11) still says it is compiling inside.
             return _synced_output_untraced(
-                self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
-                check_dim, problem,
+                self, False, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum,
+                eps, check_dim, problem,
             )  # fmt: skip
         # Traced whole (fullgraph): identity and group size are resolved at trace time, outside the graph.
         reducer = None if compiled else self._reducer()
@@ -423,7 +424,26 @@ def _apply_sync(
         running_mean, running_var, num_batches_tracked, momentum, eps, layer.eps_mode == "clamp", channels,
         reducer, state, problem,
     )  # fmt: skip
-    return SyncBatchNormFunction.apply(input, weight, bias, call)
+    try:
+        return SyncBatchNormFunction.apply(input, weight, bias, call)
+    except RuntimeError as error:
+        # Tracers that cannot run this eager call fail before its all-reduce (the JIT tracer at the
+        # Function's arguments; non-strict torch.export, where the compiler cannot trace the sync, at the
+        # first host read of a fake tensor), on every rank that traces: say why, and the way out.
+        if torch.jit.is_tracing():
+            raise RuntimeError(_untraceable(layer, "torch.jit.trace cannot record")) from error
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_untraceable(layer, "torch.export cannot capture")) from error
+        raise
+
+
+def _untraceable(layer: DistSyncBatchNorm, tracer_cannot: str) -> str:
+    return (
+        f"{tracer_cannot} the synchronized training call of {layer._layer_name()}: its all-reduce and "
+        "statistics are Python code run at the call. Trace or export the model in eval mode (model.eval(): "
+        "the layer is then nn.BatchNorm's); to capture the synchronized training call itself, use "
+        "torch.export or torch.compile on torch >= 2.11 (outside nn.DataParallel's replicas and DDP's Join)"
+    )
 
 
 # torch.compiler.disable, with dynamo imported at the first call (only ever made while compiling) rather

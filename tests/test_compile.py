@@ -169,3 +169,98 @@ def _fullgraph_refused(rank, world_size):
 @pytest.mark.skipif(FULLGRAPH, reason="this torch traces the synchronized call whole")
 def test_a_release_that_cannot_trace_the_sync_refuses_fullgraph():
     assert None not in run_world(_fullgraph_refused, 2)
+
+
+# ------------------------------------------------------------------ torch.export and torch.jit.trace
+
+
+def _plain_model():
+    torch.manual_seed(0)
+    # momentum=None: no export of nn.BatchNorm's own (it divides by num_batches_tracked read on the host)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.BatchNorm2d(8, affine=False))
+
+
+def _captured(kind: str, model: nn.Module, x: torch.Tensor) -> nn.Module:
+    """``model`` as ``torch.jit.trace`` records it or ``torch.export`` exports it (strict or not)."""
+    if kind == "jit.trace":
+        return torch.jit.trace(model, (x,), check_trace=False)
+    return torch.export.export(model, (x,), strict=kind == "export").module()
+
+
+_CAPTURES = ("jit.trace", "export", "export non-strict")
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+@pytest.mark.parametrize("kind", _CAPTURES)
+def test_traced_or_exported_without_a_process_group_is_batchnorm(kind, mode):
+    """Deployment code traces or exports a model as it is. Without a process group the layers are
+    ``nn.BatchNorm``: the captured model computes what the plain one does, running statistics included
+    (non-strict export on torch < 2.11 once recursed until Python's limit)."""
+    if kind == "export" and mode == "train" and not FULLGRAPH:
+        pytest.skip("strict export refuses the graph break this torch's compiler makes at each sync")
+    plain = getattr(_plain_model(), mode)()
+    converted = getattr(distsync.convert_sync_batchnorm(_plain_model()), mode)()
+    x, y = torch.randn(4, 3, 8, 8) + 2, torch.randn(4, 3, 8, 8) * 3 - 1  # exports fix the shape
+    captured, reference = _captured(kind, converted, x), _captured(kind, plain, x)
+    torch.testing.assert_close(captured(y), reference(y), rtol=1e-5, atol=1e-5)
+    own = dict(captured.named_buffers())
+    for name, expected in dict(reference.named_buffers()).items():
+        torch.testing.assert_close(own[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _exported_and_traced(rank, world_size):
+    """What each capture of a converted model gives on this rank: its training-mode output and buffers beside
+    nn.BatchNorm's on the full batch, its eval-mode output beside the plain model's, or its error."""
+    generators = [torch.Generator().manual_seed(r) for r in range(world_size)]
+    batches = [torch.randn(3 + r, 3, 8, 8, generator=g) * 2 + r for r, g in enumerate(generators)]
+    x = batches[rank]
+    rows = slice(sum(len(b) for b in batches[:rank]), sum(len(b) for b in batches[: rank + 1]))
+    reference = _plain_model()
+    expected = reference(torch.cat(batches))[rows]
+    eval_expected = _plain_model().eval()(x)
+    seen = {}
+    for kind in _CAPTURES:
+        model = distsync.convert_sync_batchnorm(_plain_model())
+        layer = model[1]
+        try:
+            captured = _captured(kind, model, x)
+        except Exception as error:  # every rank makes the same capture: each raises alike, before a sync
+            seen[kind, "train"] = (type(error).__name__, str(error), list(layer._sync_state.calls))
+        else:
+            output = captured(x)
+            worst = (output - expected).abs().max().item()
+            own = dict(captured.named_buffers())
+            for name, buffer in reference.named_buffers():
+                worst = max(worst, (own[name].double() - buffer.double()).abs().max().item())
+            seen[kind, "train"] = worst
+        model = distsync.convert_sync_batchnorm(_plain_model()).eval()
+        seen[kind, "eval"] = (_captured(kind, model, x)(x) - eval_expected).abs().max().item()
+    # after a refused trace the model trains as before: the same calls on every rank, in step
+    model = distsync.convert_sync_batchnorm(_plain_model())
+    with pytest.raises(RuntimeError):
+        torch.jit.trace(model, (x,), check_trace=False)
+    seen["after"] = (model(x) - expected).abs().max().item()
+    distsync.check_sync()
+    return seen
+
+
+def test_export_captures_the_synced_call_and_jit_trace_refuses_it_on_every_rank():
+    """In a 2-rank world: ``torch.export`` captures the synchronized training call whole where torch's
+    compiler traces it (the full batch's outputs and running statistics), and raises on every rank where it
+    cannot; ``torch.jit.trace``, which would freeze the call's Python statistics into constants, raises on
+    every rank before any sync, saying to trace in eval mode, where either captures ``nn.BatchNorm``."""
+    for seen in run_world(_exported_and_traced, 2):
+        for kind in _CAPTURES:
+            assert seen[kind, "eval"] < 1e-5, (kind, seen)
+            train = seen[kind, "train"]
+            if kind == "jit.trace":
+                name, message, calls = train
+                assert name == "RuntimeError" and "torch.jit.trace cannot record" in message, train
+                assert "model.eval()" in message and calls == [0, 0], train
+            elif FULLGRAPH:
+                assert isinstance(train, float) and train < 1e-5, (kind, seen)
+            else:
+                assert isinstance(train, tuple) and train[2] == [0, 0], (kind, train)
+                if kind == "export non-strict":
+                    assert "torch.export cannot capture" in train[1], train
+        assert seen["after"] < 1e-5, seen
