@@ -44,8 +44,9 @@ def _compiled_vs_eager(rank, world_size, steps):
         worst[name] = max(worst.get(name, 0.0), (a - b).abs().max().item() / scale)
 
     gen = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
-        x = torch.randn(3 + rank, 3, 8, 8, generator=gen) * 2 + 1
+    for step in range(steps):
+        last = step == steps - 1  # an epoch's last batch is smaller: recompiled for a dynamic batch size
+        x = torch.randn(3 + rank - last, 3, 8, 8, generator=gen) * 2 + 1
         xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
         out_e, out_c = eager(xe), compiled(xc)
         dy = torch.randn(out_e.shape, generator=gen)
@@ -63,11 +64,11 @@ def _compiled_vs_eager(rank, world_size, steps):
 
 
 def test_fullgraph_compile_equals_eager():
-    """Item 8: one graph per rank (fullgraph would raise at any break), outputs, gradients and running
-    statistics (num_batches_tracked included) equal to eager mode's over several steps."""
+    """Item 8: no graph break (fullgraph would raise at any), outputs, gradients and running statistics
+    (num_batches_tracked included) equal to eager mode's over several steps, the last with a smaller batch."""
     for worst, graphs in run_world(_compiled_vs_eager, 2, 3):
         assert max(worst.values()) < 1e-5, worst
-        assert graphs >= 1 or not FULLGRAPH
+        assert graphs >= 2 or not FULLGRAPH  # the smaller batch's graph too
 
 
 def _compiled_out_of_step(rank, world_size):
@@ -194,8 +195,8 @@ _CAPTURES = ("jit.trace", "export", "export non-strict")
 @pytest.mark.parametrize("kind", _CAPTURES)
 def test_traced_or_exported_without_a_process_group_is_batchnorm(kind, mode):
     """Deployment code traces or exports a model as it is. Without a process group the layers are
-    ``nn.BatchNorm``: the captured model computes what the plain one does, running statistics included
-    (non-strict export on torch < 2.11 once recursed until Python's limit)."""
+    ``nn.BatchNorm``: the captured model computes what the plain one does, and in training mode moves the
+    running statistics as it does (non-strict export on torch < 2.11 once recursed until Python's limit)."""
     if kind == "export" and mode == "train" and not FULLGRAPH:
         pytest.skip("strict export refuses the graph break this torch's compiler makes at each sync")
     plain = getattr(_plain_model(), mode)()
@@ -204,7 +205,7 @@ def test_traced_or_exported_without_a_process_group_is_batchnorm(kind, mode):
     captured, reference = _captured(kind, converted, x), _captured(kind, plain, x)
     torch.testing.assert_close(captured(y), reference(y), rtol=1e-5, atol=1e-5)
     own = dict(captured.named_buffers())
-    for name, expected in dict(reference.named_buffers()).items():
+    for name, expected in dict(reference.named_buffers()).items() if mode == "train" else ():
         torch.testing.assert_close(own[name], expected, rtol=1e-5, atol=1e-6, msg=name)
 
 
