@@ -82,30 +82,36 @@ class _CheckpointedTail(nn.Sequential):
 
 
 # DDP settings that users pick, each a model of its own in one world: DDP's keyword arguments (its default
-# buffer broadcast included), batches accumulated per optimizer step, the checkpointed model
+# buffer broadcast included), batches accumulated per optimizer step, and how the model is wrapped
 _DDP_SETTINGS = {
-    "static_graph": ({"static_graph": True}, 1, False),
-    "find_unused_parameters": ({"find_unused_parameters": True}, 1, False),
-    "no_sync() accumulation, gradient_as_bucket_view": ({"gradient_as_bucket_view": True}, 3, False),
-    "reentrant checkpointing, static_graph": ({"static_graph": True}, 1, True),
+    "static_graph": ({"static_graph": True}, 1, "DDP"),
+    "find_unused_parameters": ({"find_unused_parameters": True}, 1, "DDP"),
+    "no_sync() accumulation, gradient_as_bucket_view": ({"gradient_as_bucket_view": True}, 3, "DDP"),
+    "reentrant checkpointing, static_graph": ({"static_graph": True}, 1, "checkpointed"),
+    "torch.compile(ddp_model)": ({}, 1, "compile(DDP)"),
+    "DDP(torch.compile(model))": ({}, 1, "DDP(compile)"),
 }
 
 
 def _ddp_settings_worker(rank, world_size, steps):
     states = {}
-    for name, (settings, accumulate, checkpointed) in _DDP_SETTINGS.items():
+    for name, (settings, accumulate, wrapping) in _DDP_SETTINGS.items():
         model = distsync.convert_sync_batchnorm(_net())
-        if checkpointed:
+        if wrapping == "checkpointed":
             model = _CheckpointedTail(*model)
-        ddp = DistributedDataParallel(model, **settings)
-        states[name] = _train(ddp, _batches(world_size, steps * accumulate), rank, PER_RANK, accumulate)
+        inner = torch.compile(model, backend="aot_eager") if wrapping == "DDP(compile)" else model
+        ddp = DistributedDataParallel(inner, **settings)
+        trained = torch.compile(ddp, backend="aot_eager") if wrapping == "compile(DDP)" else ddp
+        _train(trained, _batches(world_size, steps * accumulate), rank, PER_RANK, accumulate)
+        states[name] = {k: v.clone() for k, v in model.state_dict().items()}
     return states
 
 
 def test_ddp_settings_users_pick_keep_the_full_batch_result():
-    """Under DDP's static graph, unused-parameter search, gradient accumulation with ``no_sync()`` and
-    reentrant checkpointing (which DDP needs a static graph for), training equals single-process training
-    on the full batches, accumulated alike, without checkpointing: the statistics move once per call."""
+    """Under DDP's static graph, unused-parameter search, gradient accumulation with ``no_sync()``,
+    reentrant checkpointing (which DDP needs a static graph for) and ``torch.compile`` outside or inside the
+    DDP model, training equals single-process eager training on the full batches, accumulated alike,
+    without checkpointing: the statistics move once per call."""
     steps = 2
     ranks = run_world(_ddp_settings_worker, 2, steps)
     for name, (_, accumulate, _) in _DDP_SETTINGS.items():
