@@ -427,9 +427,10 @@ def _apply_sync(
     try:
         return SyncBatchNormFunction.apply(input, weight, bias, call)
     except RuntimeError as error:
-        # Tracers that cannot run this eager call fail before its all-reduce (the JIT tracer at the
-        # Function's arguments; non-strict torch.export, where the compiler cannot trace the sync, at the
-        # first host read of a fake tensor), on every rank that traces: say why, and the way out.
+        # Tracers that cannot run this eager call fail in it, on every rank that traces: the JIT tracer at
+        # the Function's arguments, before anything runs; non-strict torch.export, where the compiler
+        # cannot trace the sync, at the first host read (CPU) or collective of a fake tensor. Say why, and
+        # the way out.
         if torch.jit.is_tracing():
             raise RuntimeError(_untraceable(layer, "torch.jit.trace cannot record")) from error
         if torch.compiler.is_compiling():
