@@ -191,6 +191,8 @@ def _captured(kind: str, model: nn.Module, x: torch.Tensor) -> nn.Module:
 _CAPTURES = ("jit.trace", "export", "export non-strict")
 
 
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # nn.BatchNorm's own, traced in training
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.trace's (2.13)
 @pytest.mark.parametrize("mode", ["eval", "train"])
 @pytest.mark.parametrize("kind", _CAPTURES)
 def test_traced_or_exported_without_a_process_group_is_batchnorm(kind, mode):
