@@ -40,11 +40,12 @@ def _expected(counts, num_batches=None):
     return stats
 
 
-def _update(rank, world_size, counts, num_batches=None):
+def _update(rank, world_size, counts, num_batches=None, compiled=False):
     model = distsync.convert_sync_batchnorm(_model())
     model[2].eval()  # a flag update_bn must leave as it found it
     before = [p.clone() for p in model.parameters()], model[1].num_batches_tracked.clone()
-    distsync.update_bn(_loader(rank, counts), model, num_batches=num_batches)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    distsync.update_bn(_loader(rank, counts), run, num_batches=num_batches)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before[0], strict=True))
     assert torch.equal(model[1].num_batches_tracked, before[1]) and model[4].momentum is None
     assert model.training and not model[2].training
@@ -52,13 +53,15 @@ def _update(rank, world_size, counts, num_batches=None):
 
 
 @pytest.mark.parametrize(
-    "counts, num_batches",
-    [([3, 1], None), ([2, 0, 3], None), ([4, 3], 2)],
-    ids=["2-ranks-uneven", "3-ranks-one-empty-loader", "batch-limit"],
+    "counts, num_batches, compiled",
+    [([3, 1], None, False), ([2, 0, 3], None, False), ([4, 3], 2, False), ([3, 1], None, True)],
+    ids=["2-ranks-uneven", "3-ranks-one-empty-loader", "batch-limit", "compiled-model"],
 )
-def test_update_bn_pools_every_rank_exactly_and_identically(counts, num_batches):
+def test_update_bn_pools_every_rank_exactly_and_identically(counts, num_batches, compiled):
+    """Also for a ``torch.compile``d model: the statistics each synchronized call sees are recorded at every
+    run of the graph, not once while it was traced (the empty batches of a rank that ran out included)."""
     expected = _expected(counts, num_batches)
-    results = run_world(_update, len(counts), counts, num_batches)
+    results = run_world(_update, len(counts), counts, num_batches, compiled)
     for result in results:
         for i, (mean, var) in expected.items():
             torch.testing.assert_close(result[i][0].double(), mean, rtol=2e-6, atol=2e-6)
