@@ -52,8 +52,9 @@ def main(cfg) -> float:
         starts.write(json.dumps({"pid": os.getpid(), "first_step": first, "time": started}) + "\n")
     for step in range(first, int(cfg.steps)):
         time.sleep(cfg.step_seconds)
-        if cfg.checkpoint:
-            saved.write_text(str(step))
+        if cfg.checkpoint:  # whole or not at all, as a checkpoint is saved: a kill never leaves it empty
+            saved.with_suffix(".tmp").write_text(str(step))
+            os.replace(saved.with_suffix(".tmp"), saved)
         distsync.report(step, value + 1.0 / (step + 1))
         if distsync.should_prune():
             stopped = step

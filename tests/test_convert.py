@@ -115,6 +115,39 @@ def test_revert_round_trip_gives_plain_batchnorm_with_same_outputs():
     assert torch.equal(bn.running_mean, round_trip.running_mean)
 
 
+def test_conv_bn_fusion_of_a_trained_model_takes_the_reverted_copy():
+    """docs/layer.md: torch's fusers (``torch.ao.quantization.fuse_modules``, FX's ``fuse``) find batch norms
+    by their exact class, so a trained synchronized model is fused as its reverted copy: the batch norm folds
+    into the conv and the fused model computes what the synchronized one does in eval mode.
+    ``fuse_conv_bn_eval`` takes a synchronized layer as it is."""
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+
+    with warnings.catch_warnings():  # their imports use torch.jit.script_method, deprecated in 2.13
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torch.ao.quantization import fuse_modules
+        from torch.fx.experimental.optimization import fuse
+
+    torch.manual_seed(0)
+    model = distsync.convert_sync_batchnorm(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()))
+    for _ in range(3):  # running statistics and an affine transform of its own, as after training
+        model(torch.randn(4, 3, 10, 10) * 3 + 1).square().mean().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+    model.eval()
+    x = torch.randn(2, 3, 10, 10)
+    expected = model(x)
+    reverted = distsync.revert_sync_batchnorm(copy.deepcopy(model)).eval()
+    by_ao = fuse_modules(reverted, [["0", "1", "2"]])
+    by_fx = fuse(reverted)
+    for fused in (by_ao, by_fx):
+        assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in fused.modules()), fused
+        torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-6)
+    folded = fuse_conv_bn_eval(model[0], model[1])
+    torch.testing.assert_close(folded(x).relu(), expected, rtol=1e-5, atol=1e-6)
+    assert isinstance(model[1], distsync.DistSyncBatchNorm2d)  # the trained model itself is left as it was
+
+
 def test_optimizer_built_before_conversion_still_trains_the_layer():
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
