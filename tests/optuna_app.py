@@ -47,14 +47,15 @@ def main(cfg) -> float:
     rank = int(os.environ.get("RANK", "0"))
     out = Path(HydraConfig.get().runtime.output_dir)
     saved = out / f"step{rank}.txt"
+    pending = saved.with_suffix(".tmp")
     first = int(saved.read_text()) + 1 if cfg.checkpoint and saved.exists() else 0
     with open(out / f"started{rank}.jsonl", "a") as starts:  # one line per run of the trial in this dir
         starts.write(json.dumps({"pid": os.getpid(), "first_step": first, "time": started}) + "\n")
     for step in range(first, int(cfg.steps)):
         time.sleep(cfg.step_seconds)
         if cfg.checkpoint:  # whole or not at all, as a checkpoint is saved: a kill never leaves it empty
-            saved.with_suffix(".tmp").write_text(str(step))
-            os.replace(saved.with_suffix(".tmp"), saved)
+            pending.write_text(str(step))
+            os.replace(pending, saved)
         distsync.report(step, value + 1.0 / (step + 1))
         if distsync.should_prune():
             stopped = step

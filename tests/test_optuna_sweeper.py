@@ -207,9 +207,9 @@ def _trials(storage: str, name: str) -> dict[int, optuna.trial.FrozenTrial]:
     return {t.number: t for t in _study(storage, name).trials}
 
 
-# Steps of a trial that the test stops (at 0.5 s each, never reached): on a loaded machine one trial's job
+# How long a trial that the test stops runs (0.5 s steps, never all taken): on a loaded machine a job
 # can take 100 s and more to start, and a trial that ended before the other started could not be stopped.
-UNTIL_STOPPED = 100_000
+UNTIL_STOPPED = "steps=100000"
 
 
 def _wait_for(condition, what: str, timeout: float = 180) -> None:
@@ -353,8 +353,7 @@ def test_ctrl_c_of_a_packed_study_stops_its_trials_and_the_next_sweep_resumes_th
         "checkpoint=true",
     ]
     sweep = tmp_path / "sweep"
-    until_stopped = f"steps={UNTIL_STOPPED}"
-    command = [sys.executable, str(APP), *SWEEPER, f"hydra.sweep.dir={sweep}", *args, until_stopped]
+    command = [sys.executable, str(APP), *SWEEPER, f"hydra.sweep.dir={sweep}", *args, UNTIL_STOPPED]
     first = subprocess.Popen(
         command,
         cwd=tmp_path,
@@ -747,7 +746,7 @@ def test_sigterm_to_a_submitit_sweep_cancels_its_jobs_and_the_same_command_resum
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep = tmp_path / "sweep"
     args = ["hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2", "x=interval(0,1)", "step_seconds=0.5"]
-    command = _submitit_sweep(tmp_path, *args, "checkpoint=true", f"steps={UNTIL_STOPPED}")
+    command = _submitit_sweep(tmp_path, *args, "checkpoint=true", UNTIL_STOPPED)
     env = job_env(PYTHONPATH=_vision.python_path())
     output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     driver = subprocess.Popen(command, cwd=tmp_path, env=env, start_new_session=True, **output)
