@@ -174,9 +174,15 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
 
     def _apply(self, fn, recurse: bool = True):
         result = super()._apply(fn, recurse)
-        # Follow the module's device (not its dtype: the counters are integers); torch's conversion
-        # functions leave an integer tensor's dtype alone.
-        self._counters = self._counters.to(fn(torch.zeros(0, dtype=torch.int64)).device)
+        # Follow the module's device (not its dtype: the counters are integers; torch's conversion functions
+        # leave an integer tensor's dtype alone): where ``fn`` takes a tensor that is where they are, so that
+        # a dtype conversion (``.half()``, ``.to(torch.bfloat16)``) leaves them on the module's device.
+        probe = torch.zeros(0, dtype=torch.int64, device=self._counters.calls.device)
+        try:
+            device = fn(probe).device
+        except NotImplementedError:  # no copy out of meta (a layer without tensors built there): from CPU
+            device = fn(torch.zeros(0, dtype=torch.int64, device="cpu")).device
+        self._counters = self._counters.to(device)
         return result
 
     def __setstate__(self, state: dict) -> None:

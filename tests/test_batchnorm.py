@@ -184,6 +184,20 @@ def _meta_layer_trains(rank, world_size, kind):
     return layer.running_mean, layer.running_var, layer._counters.calls.device.type
 
 
+def test_dtype_conversions_leave_the_compiled_call_counters_on_the_modules_device():
+    """``.half()``, ``.to(torch.bfloat16)`` and ``.float()`` of a model on a device (meta stands in for a GPU
+    here) leave the counters of compiled calls where the module is; they followed where a conversion takes
+    a CPU tensor, so a dtype conversion of a CUDA model moved them to the CPU. A layer with no tensors of
+    its own, moved to meta and back, gets fresh counters where it goes."""
+    layer = distsync.DistSyncBatchNorm2d(4).to("meta")
+    for convert in (nn.Module.half, lambda module: module.to(torch.bfloat16), nn.Module.float):
+        convert(layer)
+        assert layer._counters.calls.device.type == layer.weight.device.type == "meta"
+    bare = distsync.DistSyncBatchNorm2d(4, affine=False, track_running_stats=False).to("meta")
+    assert bare._counters.calls.device.type == "meta"
+    assert bare.cpu()._counters.calls.device.type == "cpu"
+
+
 @pytest.mark.parametrize("kind", ["device argument", "device context", "converted"])
 def test_a_layer_built_on_meta_materializes_and_syncs(kind):
     reference = nn.BatchNorm2d(4, momentum=None)
