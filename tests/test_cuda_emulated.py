@@ -229,3 +229,30 @@ def test_tails_of_two_streams_are_copied_on_their_own_streams(monkeypatch):
     half = _health._LAG // 2
     assert sorted(runtime.launches) == [("cpu", "default", half), ("cpu", "side", half)]
     assert sorted(event.stream for event in runtime.events) == ["default", "side"]
+
+
+def _under_default_device(rank, world_size, default):
+    """``_LAG + 3`` calls and ``check_sync()`` with ``default`` as torch's default device (None: unset):
+    the monitor copies tails in the call that makes ``_LAG`` (inside the autograd Function, where torch's
+    default device does not reach) and, for the last three, in ``check_sync()``, where it does."""
+    torch.manual_seed(rank)
+    layer = distsync.DistSyncBatchNorm2d(4)
+    x = torch.randn(4, 4, 3, 3)
+    with cuda_path_on_cpu():
+        torch.set_default_device(default)
+        try:
+            outcome = _outcome(lambda: [layer(x) for _ in range(_health._LAG + 3)] and distsync.check_sync())
+        finally:
+            torch.set_default_device(None)
+    return outcome, layer.running_mean
+
+
+def test_deferred_checks_copy_to_the_host_whatever_the_default_device():
+    """A GPU user's ``torch.set_default_device("cuda")`` (meta stands in for it here) does not move the
+    buffer the deferred checks copy the reduced tails into off the host: the checks run and the layer
+    trains as with no default device."""
+    for (outcome, running_mean), (_, expected) in zip(
+        run_world(_under_default_device, 2, "meta"), run_world(_under_default_device, 2, None), strict=True
+    ):
+        assert outcome is None, outcome
+        assert torch.equal(running_mean, expected)

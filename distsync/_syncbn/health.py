@@ -84,7 +84,7 @@ class DeviceRuntime:
     @staticmethod
     def host_buffer(like: Tensor) -> Tensor:
         # Pinned, so that the device-to-host copy does not block the host (CUDA only).
-        return torch.empty(like.shape, dtype=like.dtype, pin_memory=like.is_cuda)
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
 
     @staticmethod
     def record(stream):

@@ -148,7 +148,7 @@ class FakeRuntime:
 
     def host_buffer(self, like):
         self.launches.append((str(like.device), self._current, like.shape[0]))
-        return torch.empty(like.shape, dtype=like.dtype)
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu")
 
     def record(self, stream):
         event = FakeEvent(stream)
