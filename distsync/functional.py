@@ -126,12 +126,11 @@ def _forward(ctx, input: Tensor, weight, bias, call: SyncCall, kernels) -> Tenso
     else:
         stats, payload, verdict = _reduce(input, local, count, call, kernels)
     checkpointed.log(state, input, stats)
-    rows = stats.rows
     normalized = None
     if local is not None:
-        normalized = kernels.normalize(local, weight, bias, rows, call.eps, call.clip, state.scratch)
+        normalized = kernels.normalize(local, weight, bias, stats.rows, call.eps, call.clip, state.scratch)
     if payload is not None and call.running_mean is not None and call.running_var is not None:
-        ends = (rows[0, 0], rows[1, 1]) if normalized is None else normalized.running
+        ends = (stats.mean, stats.unbiased) if normalized is None else normalized.running
         _update_running_stats(state, call, payload, ends, verdict, count)
     if normalized is None:  # nothing on this rank: an empty output; backward sends zeros
         ctx.empty = True
@@ -166,18 +165,17 @@ def _reduce(
     verdict = _check(payload, tag, reducer, problem, True, kernels)
     stats = _payload.merge(payload, channels, state.scratch, eps, call.clip)
     if verdict is not None and verdict.count and input.dtype == torch.float64:
-        if bool(_payload.costs_accuracy(stats.rows[0, 0], stats.rows[1, 0])):
-            shift = stats.rows[0, 0] if shift is None else stats.rows[0, 0] + shift
+        if bool(_payload.costs_accuracy(stats.mean, stats.var)):
+            shift = stats.mean if shift is None else stats.mean + shift
             shift = torch.where(shift.isfinite(), shift, 0.0)
             payload = _pack(local, shift, count, row, channels, None)
             _all_reduce(reducer, payload, tag)
             _check(payload, tag, reducer, None, True, kernels)
             stats = _payload.merge(payload, channels, state.scratch, eps, call.clip)
-    mean = stats.rows[0, 0]  # relative to the shift
     if shift is not None:
-        mean.add_(shift)  # now the global mean itself
+        stats.mean.add_(shift)  # was relative to the shift, now the global mean itself
     if keeps_shift:
-        _payload.update_shift(state, mean, stats.rows[1, 0])
+        _payload.update_shift(state, stats.mean, stats.var)
     return stats, payload, verdict
 
 
@@ -200,13 +198,13 @@ def _update_running_stats(
             return
         weight = call.momentum if call.momentum is not None else 1.0 / float(counted)
         weights = weight
-        mean, var = (end.to(dtype) for end in ends)
+        mean, var = (cast_if_needed(end, dtype) for end in ends)
     else:
-        key = ("weight", running_mean.device, dtype, running_mean.numel())
-        weight = state.scratch.get(key)
-        if weight is None:  # one per channel: the buffers' update is then one multi-tensor kernel
-            weight = torch.zeros(running_mean.numel(), dtype=dtype, device=running_mean.device)
-            state.scratch[key] = weight
+        # one per channel: the buffers' update is then one multi-tensor kernel
+        weight = state.scratch.kept(
+            ("weight", running_mean.device, dtype, running_mean.numel()),
+            lambda: torch.zeros(running_mean.numel(), dtype=dtype, device=running_mean.device),
+        )
         # num_batches_tracked counts healthy calls only, decided from reduced values: the same on every
         # rank, the one that rejected its input included (it never gets here, and counts on no rank).
         _payload.running_stat_weight(payload, call.momentum, weight, counted)
@@ -240,11 +238,7 @@ def _backward(ctx, grad_output: Tensor, need_input: bool, need_weight: bool, nee
 
 def _ones(state: SyncState, device: torch.device) -> Tensor:
     """A count of 1 as ``batch_norm_backward_elemt`` reads counts (int32), kept on the device."""
-    key = ("ones", device)
-    ones = state.scratch.get(key)
-    if ones is None:
-        ones = state.scratch[key] = torch.ones(1, dtype=torch.int32, device=device)
-    return ones
+    return state.scratch.kept(("ones", device), lambda: torch.ones(1, dtype=torch.int32, device=device))
 
 
 def sync_backward_sums(state: SyncState, reducer: Reducer, kernels, first: Tensor, second: Tensor) -> Tensor:
@@ -273,16 +267,19 @@ def _pack(local, shift: Tensor | None, count: int, row: Tensor, channels: int, p
         zeros = row.new_zeros(channels)
         if problem is not None:
             return _payload.pack_sums(zeros, zeros, failed_row(row))
-        return _payload.pack_moments(zeros, zeros, None, 0, row)
-    return _payload.pack_moments(local.mean, local.var, _base(shift, local), count, row)
+        return _payload.pack_moments(zeros, zeros, 0, row)
+    return _payload.pack_moments(local.mean, local.var, count, row, _deviation(shift, local))
 
 
-def _base(shift: Tensor | None, local) -> Tensor | None:
-    """The shared shift in the coordinates of ``local``'s moments: ``K - origin`` (None for zero)."""
+def _deviation(shift: Tensor | None, local) -> Tensor | None:
+    """``local``'s mean minus the shared shift K, in float64: ``m - (K - origin)`` for moments about an
+    origin, each difference rounded once; None where ``local.mean`` is that already (no origin, no shift)."""
     if local.origin is None:
-        return shift
-    origin = local.origin.double()
-    return -origin if shift is None else shift - origin
+        return None if shift is None else torch.sub(local.mean, shift)
+    if shift is None:  # m + origin: one of them float64, so the sum is
+        origin = local.origin if local.mean.dtype == torch.float64 else local.origin.double()
+        return torch.add(local.mean, origin)
+    return torch.sub(local.mean, shift - local.origin)
 
 
 def shadow_forward(layer, call: Call, reducer: Reducer, device: torch.device) -> None:

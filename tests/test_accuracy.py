@@ -222,6 +222,7 @@ LAYOUTS = [  # (shape, memory format, cut into blocks): every branch of kernels.
 @pytest.mark.parametrize(("shape", "memory_format", "cut"), LAYOUTS)
 def test_blocked_sums_equal_float64_sums_in_every_layout(shape, memory_format, cut):
     from distsync._syncbn import kernels as _sums
+    from distsync._syncbn.payload import Scratch
 
     gen = torch.Generator().manual_seed(0)
     z, dy = (torch.randn(shape, generator=gen) + 0.3 for _ in range(2))
@@ -240,7 +241,7 @@ def test_blocked_sums_equal_float64_sums_in_every_layout(shape, memory_format, c
         dy.contiguous() if memory_format is not None else dy.transpose(0, -1).contiguous().transpose(0, -1)
     )
     for dy_layout in (dy, unlike):
-        found = (*_sums.moment_sums(z, {}), *_sums.gradient_sums(dy_layout, z, mean, var, 1e-5))
+        found = (*_sums.moment_sums(z, Scratch()), *_sums.gradient_sums(dy_layout, z, mean, var, 1e-5))
         for value, (a, b) in zip(found, expected, strict=True):
             total, scale = (a * b).sum(dims), (a * b).abs().sum(dims)
             assert ((value.double() - total).abs() / scale).max() < 1e-6

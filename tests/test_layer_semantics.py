@@ -3,13 +3,16 @@
 Each world runs every scenario in one spawn (spawning dominates the cost) and returns what each rank saw.
 """
 
+import contextlib
 import copy
+import functools
 import inspect
 import io
 from datetime import timedelta
 
 import pytest
 import torch
+from cuda_emulation import cuda_path_on_cpu
 from torch import nn
 
 import distsync
@@ -189,6 +192,64 @@ def test_torch_compatible_semantics_on_every_rank():
         for name, tensor in tensors.items():
             torch.testing.assert_close(moved[name], tensor, rtol=1e-12, atol=1e-12, msg=name)
             assert torch.equal(own[name], untouched[name]), name
+
+
+_RECALIBRATION_BATCH = torch.randn(7, 4, 3, 3, generator=torch.Generator().manual_seed(5)) * 2 + 3
+_RECALIBRATION_DY = torch.randn(7, 4, 3, 3, generator=torch.Generator().manual_seed(6))
+_RECALIBRATION_ROWS = (slice(0, 3), slice(3, 7))  # each rank's share, uneven
+_RECALIBRATION_PATHS = ((False, torch.float64), (False, torch.float32), (True, torch.float32))  # CUDA's?
+
+
+def _recalibration_model(dtype, convert=lambda model: model):
+    torch.manual_seed(4)
+    return convert(nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))).to(dtype)
+
+
+def _recalibrate_then_train(model, x, dy):
+    """A train-mode pass under ``torch.inference_mode()`` (what recalibrating the running statistics after
+    a change of weights or data looks like), the layer's first call, then two training steps: the input's
+    gradients and the batch norm's buffers."""
+    with torch.inference_mode():
+        model(x)
+    grads = []
+    for _ in range(2):
+        inp = x.clone().requires_grad_()
+        (model(inp) * dy).sum().backward()
+        grads.append(inp.grad)
+    return grads, model[1].state_dict()
+
+
+def _recalibrated_under_inference_mode(rank, world_size):
+    seen = {}
+    rows = _RECALIBRATION_ROWS[rank]
+    for cuda_path, dtype in _RECALIBRATION_PATHS:
+        with cuda_path_on_cpu() if cuda_path else contextlib.nullcontext():
+            model = _recalibration_model(dtype, distsync.convert_sync_batchnorm)
+            batch = (_RECALIBRATION_BATCH[rows].to(dtype), _RECALIBRATION_DY[rows].to(dtype))
+            seen[cuda_path, dtype] = _outcome(functools.partial(_recalibrate_then_train, model, *batch))
+            distsync.check_sync()
+    return seen
+
+
+def test_a_train_mode_pass_under_inference_mode_leaves_the_layer_trainable():
+    """The tensors a layer keeps from its first call (per-channel zeros saved for backward, the buffer a
+    device's running-statistics update writes into) are made outside inference mode: the training steps
+    that follow give what ``nn.BatchNorm2d`` gives on the full batch, on the CPU's path (float64, around a
+    shift, and float32) and CUDA's (emulated), rather than "Inference tensors cannot be saved for
+    backward" or an in-place update refused."""
+    per_rank = run_world(_recalibrated_under_inference_mode, 2)
+    for cuda_path, dtype in _RECALIBRATION_PATHS:
+        reference = _recalibration_model(dtype)
+        x, dy = _RECALIBRATION_BATCH.to(dtype), _RECALIBRATION_DY.to(dtype)
+        grads, buffers = _recalibrate_then_train(reference, x, dy)
+        tolerance = 1e-10 if dtype == torch.float64 else 2e-5
+        for rows, seen in zip(_RECALIBRATION_ROWS, per_rank, strict=True):
+            error, result = seen[cuda_path, dtype]
+            assert error is None, (cuda_path, dtype, result)
+            for expected, actual in zip(grads, result[0], strict=True):
+                torch.testing.assert_close(actual, expected[rows], rtol=tolerance, atol=tolerance)
+            for name, buffer in buffers.items():
+                torch.testing.assert_close(result[1][name], buffer, rtol=tolerance, atol=tolerance, msg=name)
 
 
 def _float64_far_from_zero(rank, world_size, ratio):

@@ -88,7 +88,7 @@ class Regions(NamedTuple):
                 "inputs when torch.utils.checkpoint recomputes it"
             )
         stats = calls[index].stats
-        return Stats(stats.rows.clone(), stats.count)
+        return Stats.of(stats.rows.clone(), stats.count)
 
     def log(self, state, input: Tensor, stats: Stats) -> None:
         """Keep this call's statistics on every region whose forward it belongs to (nothing changes them

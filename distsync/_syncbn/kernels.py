@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from distsync._syncbn.payload import stat_dtype
+from distsync._syncbn.payload import Scratch, stat_dtype
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -98,7 +98,7 @@ class CudaKernels:
     keeps_any_shift = False  # the float32 statistics batch_norm_elemt takes gain nothing from a float64 shift
 
     @classmethod
-    def local(cls, input: Tensor, scratch: dict) -> Local:
+    def local(cls, input: Tensor, scratch: Scratch) -> Local:
         # Normalization.cu: the kernels take contiguous, channels-last or (as TensorIterator) general
         # strides, but backward_elemt picks its template from dy's layout alone; keep to the two layouts
         # nn.SyncBatchNorm keeps to, so that input and dy can always be given the same one.
@@ -111,7 +111,7 @@ class CudaKernels:
 
     @classmethod
     def normalize(
-        cls, local: Local, weight, bias, rows: Tensor, eps: float, clip: bool, scratch: dict
+        cls, local: Local, weight, bias, rows: Tensor, eps: float, clip: bool, scratch: Scratch
     ) -> Normalized:
         dtype = stat_dtype(local.z.dtype)
         # batch_norm_elemt reads mean and invstd as the accumulate type: float32 for float32 and half
@@ -182,7 +182,7 @@ class CpuKernels:
     keeps_any_shift = False  # float32 is merged around zero: float64's digits cover what its shift loses
 
     @staticmethod
-    def local(input: Tensor, scratch: dict) -> Local:
+    def local(input: Tensor, scratch: Scratch) -> Local:
         if input.dtype in _HALF:
             # Mean and biased variance straight from the half input, without a float32 copy of it: float32
             # scratch buffers left as they were by momentum 0 make the kernel return float32 statistics
@@ -200,7 +200,7 @@ class CpuKernels:
 
     @staticmethod
     def normalize(
-        local: Local, weight, bias, rows: Tensor, eps: float, clip: bool, scratch: dict
+        local: Local, weight, bias, rows: Tensor, eps: float, clip: bool, scratch: Scratch
     ) -> Normalized:
         """``z * scale + (bias - mean * scale)`` as one eval-mode batch-norm pass (weight ``scale``, mean
         ``mean``, variance 0 and eps 1: invstd exactly 1), the scale rounded once from float64."""
@@ -295,7 +295,7 @@ class GenericKernels:
     keeps_any_shift = True  # the statistics are those of the shifted input, as on the CPU
 
     @staticmethod
-    def local(input: Tensor, scratch: dict) -> Local:
+    def local(input: Tensor, scratch: Scratch) -> Local:
         dims = [0, *range(2, input.dim())]
         if input.dtype in _HALF:  # no shift: the merge is around zero for half inputs (see functional)
             var, mean = torch.var_mean(input.float(), dims, correction=0)
@@ -307,7 +307,7 @@ class GenericKernels:
 
     @staticmethod
     def normalize(
-        local: Local, weight, bias, rows: Tensor, eps: float, clip: bool, scratch: dict
+        local: Local, weight, bias, rows: Tensor, eps: float, clip: bool, scratch: Scratch
     ) -> Normalized:
         dtype = stat_dtype(local.z.dtype)
         mean = rows[0, 0] if local.origin is None else rows[0, 0] - local.origin
@@ -457,7 +457,7 @@ def _cut(z: Tensor) -> Blocks | None:
     return blocks(tuple(z.shape), tuple(z.stride())) if z.dtype == torch.float32 else None
 
 
-def moment_sums(z: Tensor, scratch: dict) -> tuple[Tensor, Tensor]:
+def moment_sums(z: Tensor, scratch: Scratch) -> tuple[Tensor, Tensor]:
     """``sum(z)`` and ``sum(z^2)`` per channel of ``z`` (float32 or float64), in one pass: float64 when summed
     in blocks, else in ``z``'s dtype (the kernel's float64 accumulation rounded once)."""
     cut = _cut(z)
@@ -471,13 +471,11 @@ def moment_sums(z: Tensor, scratch: dict) -> tuple[Tensor, Tensor]:
     return cut.per_channel(torch.stack([sums, squares])).unbind()
 
 
-def zeros_of(channels: int, dtype: torch.dtype, device: torch.device, scratch: dict) -> Tensor:
+def zeros_of(channels: int, dtype: torch.dtype, device: torch.device, scratch: Scratch) -> Tensor:
     """Per-channel zeros kept in ``scratch`` (a layer's): read-only arguments of the kernels."""
-    key = ("zeros", channels, dtype, device)
-    zeros = scratch.get(key)
-    if zeros is None:
-        zeros = scratch[key] = torch.zeros(channels, dtype=dtype, device=device)
-    return zeros
+    return scratch.kept(
+        ("zeros", channels, dtype, device), lambda: torch.zeros(channels, dtype=dtype, device=device)
+    )
 
 
 def gradient_sums(dy: Tensor, z: Tensor, mean: Tensor, var: Tensor, eps: float) -> tuple[Tensor, Tensor]:

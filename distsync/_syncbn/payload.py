@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import NamedTuple, Protocol
+from collections.abc import Callable
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -103,6 +104,24 @@ class CallTag(NamedTuple):
 _BUILT = itertools.count()  # synchronized layers built in this process, in order
 
 
+_Kept = TypeVar("_Kept")
+
+
+class Scratch(dict):
+    """A layer's small tensors reused call after call (per-device constants and buffers), by key."""
+
+    def kept(self, key, make: Callable[[], _Kept]) -> _Kept:
+        """``self[key]``, made by ``make()`` at the first call that needs it, outside inference mode: a first
+        call made under ``torch.inference_mode()`` (a train-mode pass that recalibrates the running
+        statistics) then leaves tensors that later training calls may update in place and save for
+        backward, as ``nn.BatchNorm`` leaves its buffers."""
+        value = self.get(key)
+        if value is None:
+            with torch.inference_mode(False):
+                value = self[key] = make()
+        return value
+
+
 class SyncState:
     """A synchronized layer's identity, call counts and device-side tails, plus its merge shift.
 
@@ -130,7 +149,7 @@ class SyncState:
         self.shift: Tensor | None = None  # merge shift (float64), shared by every rank
         self.shift_ref: Tensor | None = None  # variance of the call the shift was judged against
         self._tables: dict = {}
-        self.scratch: dict = {}  # small per-device tensors reused call after call
+        self.scratch = Scratch()
         self.join = None  # the reducer of the Join the layer is in (distsync.join), never copied
         self.transport = None  # (process group, its reducer) of the last call, never copied
 
@@ -206,10 +225,20 @@ def failed_row(row: Tensor) -> Tensor:
 class Stats(NamedTuple):
     """Global statistics of one forward sync on a device: float64 rows of one ``(2, 2, C)`` tensor,
     ``[[mean, invstd], [var, unbiased var]]`` (``var`` is the biased variance plus eps, or the variance
-    clamped at eps: what ``invstd`` is the inverse square root of), see :func:`merge`."""
+    clamped at eps: what ``invstd`` is the inverse square root of), see :func:`merge`, and a view of each
+    of its four rows."""
 
     rows: Tensor
     count: Tensor  # (1,) float64 view of the global count, on the device
+    mean: Tensor
+    invstd: Tensor
+    var: Tensor
+    unbiased: Tensor
+
+    @classmethod
+    def of(cls, rows: Tensor, count: Tensor) -> Stats:
+        (mean, invstd), (var, unbiased) = (row.unbind() for row in rows.unbind())
+        return cls(rows, count, mean, invstd, var, unbiased)
 
 
 def stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -217,20 +246,22 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def pack_moments(mean: Tensor, var: Tensor, base: Tensor | None, count: int, row: Tensor) -> Tensor:
+def pack_moments(
+    mean: Tensor, var: Tensor, count: int, row: Tensor, deviation: Tensor | None = None
+) -> Tensor:
     """Forward payload from this rank's per-channel ``mean`` and biased ``var`` of ``count`` values.
 
-    ``base`` is ``K - origin``: the shared shift in the coordinates ``mean`` is given in (None for 0).
+    ``deviation`` is this rank's mean minus the shared shift K, in float64, where the caller computed it
+    (around a shift, or from moments about an origin); None where ``mean`` is that itself (K = 0).
     ``row`` is the call's padded tail; its count slot holds 1 and becomes ``count`` here.
     """
     c = mean.numel()
-    if base is None:  # cat promotes mean and var to float64 (exactly); v + d^2 in float64
+    if deviation is None:  # cat promotes mean and var to float64 (exactly); v + d^2 in float64
         payload = torch.cat([mean, var, row])
         d = payload[:c]
         payload[c : 2 * c].addcmul_(d, d)
     else:
-        d = torch.sub(mean, base)  # float64
-        payload = torch.cat([d, torch.addcmul(var, d, d), row])
+        payload = torch.cat([deviation, torch.addcmul(var, deviation, deviation), row])
     payload[: payload.numel() - TAIL + COUNT + 1].mul_(count)
     return payload
 
@@ -240,7 +271,7 @@ def pack_sums(first: Tensor, second: Tensor, row: Tensor) -> Tensor:
     return torch.cat([first, second, row])
 
 
-def merge(payload: Tensor, num_channels: int, scratch: dict, eps: float, clip: bool) -> Stats:
+def merge(payload: Tensor, num_channels: int, scratch: Scratch, eps: float, clip: bool) -> Stats:
     """Global mean (relative to the shared shift), ``1 / sqrt`` of the variance it is normalized by (biased
     variance plus eps, or clamped at eps), that variance and the unbiased variance, from a reduced payload.
 
@@ -253,22 +284,27 @@ def merge(payload: Tensor, num_channels: int, scratch: dict, eps: float, clip: b
     c = num_channels
     at = payload.numel() - TAIL + COUNT
     count = payload[at : at + 1]
-    key = ("merge", payload.device, eps, clip)
-    constants = scratch.get(key)
-    if constants is None:  # built on the device: no host-to-device copy
-        lowered = torch.zeros((2, 1), dtype=torch.float64, device=payload.device)
-        lowered[1] = 1.0  # N, N - 1
-        added = torch.zeros((2, 2, 1), dtype=torch.float64, device=payload.device)
-        added[1, 0] = 0.0 if clip else eps  # S2 / N + eps: the variance the output is normalized by
-        floors = torch.zeros((2, 1), dtype=torch.float64, device=payload.device)
-        floors[0] = eps  # that variance is at least eps (its clamp, or >= 0 plus eps); the unbiased >= 0
-        constants = scratch[key] = (lowered, added, floors)
-    lowered, added, floors = constants
+    lowered, added, floors = scratch.kept(
+        ("merge", payload.device, eps, clip), lambda: _merge_constants(payload.device, eps, clip)
+    )
     sums = payload.as_strided((2, 2, c), (c, 0, 1), payload.storage_offset())  # [[S1, S1], [S2, S2]]
     rows = torch.addcdiv(added, sums, torch.sub(count, lowered))
-    rows[1].addcmul_(rows[0, 0], rows[0], value=-1).clamp_min_(floors)
-    torch.rsqrt(rows[1, 0], out=rows[0, 1])
-    return Stats(rows, count)
+    top, bottom = rows.unbind()  # [mean, S1 / (N - 1)] and [S2 / N (+ eps), S2 / (N - 1)]
+    (mean, invstd), (var, unbiased) = top.unbind(), bottom.unbind()
+    bottom.addcmul_(top, mean, value=-1).clamp_min_(floors)
+    torch.rsqrt(var, out=invstd)
+    return Stats(rows, count, mean, invstd, var, unbiased)
+
+
+def _merge_constants(device: torch.device, eps: float, clip: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """What :func:`merge` lowers the count by, adds and clamps at, built on the device (no host copy)."""
+    lowered = torch.zeros((2, 1), dtype=torch.float64, device=device)
+    lowered[1] = 1.0  # N, N - 1
+    added = torch.zeros((2, 2, 1), dtype=torch.float64, device=device)
+    added[1, 0] = 0.0 if clip else eps  # S2 / N + eps: the variance the output is normalized by
+    floors = torch.zeros((2, 1), dtype=torch.float64, device=device)
+    floors[0] = eps  # that variance is at least eps (its clamp, or >= 0 plus eps); the unbiased >= 0
+    return lowered, added, floors
 
 
 # The shift: the merge cancels ``log10((mean - K)^2 / var)`` of float64's 16 digits, so K only has to be
