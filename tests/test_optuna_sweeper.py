@@ -9,8 +9,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import _vision
 import pytest
@@ -661,6 +663,55 @@ def test_a_gone_sweeps_trial_is_taken_over_under_its_number_its_job_waited_for_t
     assert [trials[n].state.name for n in range(2)] == ["COMPLETE", "COMPLETE"]
     assert [c for c in calls if c[0] == 0] == [(0, "slurm:4242"), (0, None)]
     assert trials[0].value == gone.params["x"] and trials[0].user_attrs[OWNER] == "this-sweep"
+
+
+class _WaitingJob:
+    """A submitit job that never produces a result, and records its cancellation."""
+
+    def __init__(self, folder: Path) -> None:
+        self.job_id = "4242"
+        self.paths = SimpleNamespace(result_pickle=folder / "never.pkl")
+        self.cancelled = False
+
+    def task(self, index: int) -> _WaitingJob:
+        return self
+
+    def done(self, force_check: bool = False) -> bool:
+        return False
+
+    def cancel(self, check: bool = True) -> None:
+        self.cancelled = True
+
+
+def test_a_stopping_sweep_cancels_the_job_of_a_slot_that_stopped_first(tmp_path):
+    """SIGTERM or Ctrl-C stops the slots, then cancels the jobs they wait for: a slot that stops before
+    the cancel (its wait wakes at once) leaves its job listed, so that job is cancelled too (it was not: a
+    sweep SIGTERMed under load left both its jobs training); a slot asked to run a trial once the sweep
+    is stopping submits nothing."""
+    from hydra_plugins.distsync_optuna_sweeper._slots import SubmititJobs, _Stopped
+
+    launcher = SimpleNamespace(_EXECUTOR="local", params={"submitit_folder": str(tmp_path / ".submitit")})
+    jobs = SubmititJobs(launcher, tmp_path / "sweep", lambda number, job: None)
+    job, submitted = _WaitingJob(tmp_path), threading.Event()
+    jobs.executor = SimpleNamespace(submit=lambda *args: submitted.set() or job)
+    stop, outcome = threading.Event(), []
+
+    def slot() -> None:
+        try:
+            jobs(0, ["x=0.5"], stop)
+        except _Stopped:
+            outcome.append("stopped")
+
+    thread = threading.Thread(target=slot)
+    thread.start()
+    assert submitted.wait(30)
+    stop.set()
+    thread.join(30)  # the slot stops before the sweep cancels
+    jobs.cancel_all()
+    assert outcome == ["stopped"] and job.cancelled
+    jobs.executor = SimpleNamespace(submit=lambda *args: pytest.fail("submitted while stopping"))
+    with pytest.raises(_Stopped):
+        jobs(1, ["x=0.1"], stop)
 
 
 def _submitit_sweep(tmp_path: Path, *args: str) -> list[str]:

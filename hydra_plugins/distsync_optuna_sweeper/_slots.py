@@ -146,6 +146,8 @@ class SubmititJobs:
         self.sweep_dir.mkdir(parents=True, exist_ok=True)
         adopted = self._adopt(job) if job else None
         with self.lock:  # submitit's executor is not known to be thread-safe
+            if stop.is_set():  # the sweep is stopping: it has listed the jobs to cancel, or lists them now
+                raise _Stopped
             if adopted is None:
                 submitted = self.executor.submit(
                     self.launcher, list(overrides), "hydra.sweep.dir", number, f"job_id_for_{number}",
@@ -156,10 +158,20 @@ class SubmititJobs:
             self.on_submit(number, self.record(submitted))
             log.info(f"\t#{number} : submitted as job {submitted.job_id}")
         try:
-            return self._wait(self.running[number], stop, check_now=adopted is not None)
-        finally:
-            with self.lock:
-                self.running.pop(number, None)
+            result = self._wait(self.running[number], stop, check_now=adopted is not None)
+        except _Stopped:
+            # Still listed: the sweep stops its slots, then cancels what is listed (:meth:`cancel_all`),
+            # and a slot may stop first.
+            raise
+        except BaseException:
+            self._forget(number)
+            raise
+        self._forget(number)
+        return result
+
+    def _forget(self, number: int) -> None:
+        with self.lock:
+            self.running.pop(number, None)
 
     def record(self, job: Any) -> str:
         """How a trial records ``job``: ``slurm:<id>``, or ``local:<pid>:<start time>`` (a pid alone could
