@@ -276,7 +276,7 @@ def _deviation(shift: Tensor | None, local) -> Tensor | None:
     origin, each difference rounded once; None where ``local.mean`` is that already (no origin, no shift)."""
     if local.origin is None:
         return None if shift is None else torch.sub(local.mean, shift)
-    if shift is None:  # m + origin: one of them float64, so the sum is
+    if shift is None:  # m - (0 - origin), in float64: the CPU's mean is, other devices' origin is made so
         origin = local.origin if local.mean.dtype == torch.float64 else local.origin.double()
         return torch.add(local.mean, origin)
     return torch.sub(local.mean, shift - local.origin)

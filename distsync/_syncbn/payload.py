@@ -237,6 +237,7 @@ class Stats(NamedTuple):
 
     @classmethod
     def of(cls, rows: Tensor, count: Tensor) -> Stats:
+        """The statistics held in ``rows`` (a copy of a merge's, for a checkpoint's recomputation)."""
         (mean, invstd), (var, unbiased) = (row.unbind() for row in rows.unbind())
         return cls(rows, count, mean, invstd, var, unbiased)
 
