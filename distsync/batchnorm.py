@@ -32,6 +32,9 @@ __all__ = [
     "DistSyncSyncBatchNorm",
 ]
 
+# Input dtypes whose batch norm may take float32 parameters and running statistics (torch's mixed precision)
+_REDUCED = (torch.float16, torch.bfloat16)
+
 # nn.BatchNorm takes ``bias`` from torch 2.12 on; before, its layers always have a bias when affine.
 _TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
 
@@ -220,9 +223,12 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
     def _layer_name(self) -> str:
         return self._sync_state.layer_name or type(self).__name__
 
-    def _input_problem(self, input: Tensor, channels: int, eps: float, check_dim: bool) -> str | None:
+    def _input_problem(
+        self, input: Tensor, channels: int, eps: float, check_dim: bool, tensors: tuple[Tensor | None, ...]
+    ) -> str | None:
         """What makes ``input`` unfit for a synchronized training call (None if nothing): what
-        ``F.batch_norm`` would refuse, and with ``check_dim`` the layer's own input-rank check."""
+        ``F.batch_norm`` would refuse, and with ``check_dim`` the layer's own input-rank check.
+        ``tensors`` are the call's weight, bias and running statistics (None where absent)."""
         try:
             if check_dim:
                 self._check_input_dim(input)
@@ -239,6 +245,17 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
             return f"{self._layer_name()}: expected a floating-point input, got {input.dtype}"
         if not eps > 0:  # what F.batch_norm checks in training
             return f"{self._layer_name()}: batch_norm eps must be positive during training, got {eps}"
+        # Each in the input's dtype, or float32 for a reduced-precision input (torch's mixed precision, and
+        # FSDP2's: bfloat16 parameters, float32 running statistics). nn.BatchNorm refuses the rest, in eval
+        # mode too (a float64 input into a float32 layer, a float32 input into a half one).
+        allowed = (input.dtype, torch.float32) if input.dtype in _REDUCED else (input.dtype,)
+        wrong = next((t.dtype for t in tensors if t is not None and t.dtype not in allowed), None)
+        if wrong is not None:
+            return (
+                f"{self._layer_name()}: expected its parameters and running statistics in the input's dtype "
+                f"{input.dtype} (or float32 for a float16 or bfloat16 input), got {wrong}; convert the layer "
+                "or the input"
+            )
         return None
 
     # DataParallel copies other than copy 0 hold copies of the buffers: only copy 0 updates running stats.
@@ -370,7 +387,8 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
             return None  # nobody to sync with: checked before anything else, as no input needs checking
         channels = _channels(weight, running_mean, self.num_features)
         if problem is None:
-            problem = self._input_problem(input, channels, eps, check_dim)
+            tensors = (weight, bias, running_mean, running_var)
+            problem = self._input_problem(input, channels, eps, check_dim, tensors)
         if compiled:
             if problem is not None:  # shapes and dtypes are static while tracing
                 raise ValueError(problem)

@@ -1,5 +1,7 @@
 """Errors decided on one rank are raised on every rank; desynchronized ranks raise, never hang."""
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -117,6 +119,45 @@ def test_eps_on_one_rank_is_rejected_in_the_all_reduce():
     assert [first[0] for first, _ in outcomes] == ["SyncError", "ValueError"]
     assert "eps must be positive" in outcomes[1][0][1]
     assert all(second == (None, "") for _, second in outcomes)
+
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _dtype_pairs(rank, world_size):
+    """Every (input, layer) dtype pair on both ranks, against nn.BatchNorm2d; then a float64 layer on rank 1
+    only, and the same call once both layers are float32 again."""
+    pairs = {}
+    for input_dtype in _DTYPES:
+        for layer_dtype in _DTYPES:
+            x = torch.randn(3, 4, 2, 2).to(input_dtype)
+            synced = distsync.DistSyncBatchNorm2d(4).to(layer_dtype)
+            local = torch.nn.BatchNorm2d(4).to(layer_dtype)
+            outcomes = _outcome(partial(synced, x)), _outcome(partial(local, x))
+            pairs[str(input_dtype), str(layer_dtype)] = outcomes
+    layer = distsync.DistSyncBatchNorm2d(4).to(torch.float64 if rank == 1 else torch.float32)
+    first = _outcome(lambda: layer(torch.randn(3, 4, 2, 2)))
+    layer.float()
+    second = _outcome(lambda: layer(torch.randn(3, 4, 2, 2)))
+    return pairs, first, second
+
+
+def test_parameters_of_another_dtype_than_the_input_are_refused_as_nn_batchnorm_refuses_them():
+    """Each pair nn.BatchNorm's kernels refuse (float64 input into a float32 layer, ...) raises ValueError
+    naming the dtypes on every rank, in training as in eval mode, instead of computing with converted
+    parameters; those it takes (a float16 or bfloat16 input into a float32 layer) are taken."""
+    outcomes = run_world(_dtype_pairs, 2)
+    for pairs, _, _ in outcomes:
+        refused = [pair for pair, (synced, local) in pairs.items() if local[0] is not None]
+        assert ("torch.float64", "torch.float32") in refused and len(refused) < len(pairs) - len(_DTYPES)
+        for pair, (synced, local) in pairs.items():
+            if local[0] is None:
+                assert synced == (None, ""), pair
+            else:
+                assert synced[0] == "ValueError" and "dtype" in synced[1], (pair, synced)
+    assert [first[0] for _, first, _ in outcomes] == ["SyncError", "ValueError"]
+    assert "torch.float64" in outcomes[1][1][1] and "torch.float32" in outcomes[1][1][1]
+    assert all(second == (None, "") for _, _, second in outcomes)
 
 
 def _different_widths(rank, world_size, widths):
