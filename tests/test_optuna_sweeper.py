@@ -793,20 +793,31 @@ def test_through_submitit_a_trial_whose_job_is_killed_goes_on_in_its_job_dir(tmp
 def test_sigterm_to_a_submitit_sweep_cancels_its_jobs_and_the_same_command_resumes_them(tmp_path):
     """SIGTERM to the sweep, as Ctrl-C: the jobs it submitted are cancelled (their processes end), their
     trials stay running, marked interrupted, and the sweep exits 143; the same command resumes each under its
-    number in its job dir from its last saved step: every trial finished once, the sweep exits 0."""
+    number in its job dir from its last saved step: every trial finished once, the sweep exits 0.
+
+    The sweep starts as a script's background command does, with SIGINT ignored, which its jobs would
+    inherit: submitit cancels a local job with SIGINT, so they would train on."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     sweep = tmp_path / "sweep"
     args = ["hydra.sweeper.n_trials=3", "hydra.sweeper.n_jobs=2", "x=interval(0,1)", "step_seconds=0.5"]
     command = _submitit_sweep(tmp_path, *args, "checkpoint=true", UNTIL_STOPPED)
+    in_the_background = ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]  # `command &` in a script
     env = job_env(PYTHONPATH=_vision.python_path())
-    output = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
-    driver = subprocess.Popen(command, cwd=tmp_path, env=env, start_new_session=True, **output)
+    # To a file, not a pipe: submitit's local job controllers inherit the sweep's stdout, so a pipe would stay
+    # open while a job that was not cancelled runs on, and hide the sweep's own output.
+    log = tmp_path / "driver.log"
+    with log.open("w") as output:
+        driver = subprocess.Popen(
+            in_the_background + command, cwd=tmp_path, env=env, start_new_session=True, stdout=output,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
     _wait_for(lambda: len(list(sweep.glob("*/step0.txt"))) == 2, "two trials' first steps")
     pids = [json.loads(p.read_text().splitlines()[0])["pid"] for p in sweep.glob("*/started0.jsonl")]
     driver.send_signal(signal.SIGTERM)
-    output, _ = driver.communicate(timeout=120 * timeout_scale())
+    driver.wait(timeout=120 * timeout_scale())
+    output = log.read_text()
     assert driver.returncode == 143, output[-4000:]
-    _wait_for(lambda: not any(_alive(pid) for pid in pids), "the cancelled jobs' processes to end", 60)
+    _wait_for(lambda: not any(_alive(pid) for pid in pids), f"the cancelled jobs to end:\n{output}", 60)
     trials = _trials(f"journal:{sweep / 'optuna_journal.log'}", "distsync")
     assert [(t.state.name, t.user_attrs.get("distsync_interrupted")) for t in trials.values()] == [
         ("RUNNING", True), ("RUNNING", True),

@@ -131,7 +131,7 @@ class AsyncOptunaStudy:
         )  # fmt: skip
         write = functools.partial(self._write_results, study, sweep_dir)
         slots = None if hasattr(self.launcher, "launch_as_slots_free") else self._slots(runner, sweep_dir)
-        with heartbeat, _sigterm_as_exit(), _settled_when_stopped(runner, slots, write):
+        with heartbeat, _stop_signals(), _settled_when_stopped(runner, slots, write):
             while True:
                 if slots is None:  # distsync's launcher: a trial per free slot of its devices, at once
                     self.launcher.launch_as_slots_free(runner.next_job, runner.finished, runner.jobs_left())
@@ -239,8 +239,11 @@ def _settled_when_stopped(
 
 
 @contextlib.contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """SIGTERM raises ``SystemExit(143)`` in the main thread, so that it settles the sweep as Ctrl-C does."""
+def _stop_signals() -> Iterator[None]:
+    """SIGTERM raises ``SystemExit(143)`` in the main thread, so that it settles the sweep as Ctrl-C does;
+    SIGINT raises ``KeyboardInterrupt`` there even where the sweep started with it ignored (in the
+    background of a script: a shell starts such commands with SIGINT ignored). The jobs it submits inherit
+    that: submitit cancels a local job with SIGINT, which an ignored SIGINT would leave training."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -248,11 +251,13 @@ def _sigterm_as_exit() -> Iterator[None]:
     def _exit(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, _exit)
+    previous = signal.signal(signal.SIGTERM, _exit), signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in zip((signal.SIGTERM, signal.SIGINT), previous, strict=True):
+            if handler is not None:  # None: installed outside Python, which cannot be put back from here
+                signal.signal(signum, handler)
 
 
 def _trials_in(storage: Any, study_name: str) -> int:
