@@ -241,9 +241,9 @@ def _settled_when_stopped(
 @contextlib.contextmanager
 def _stop_signals() -> Iterator[None]:
     """SIGTERM raises ``SystemExit(143)`` in the main thread, so that it settles the sweep as Ctrl-C does;
-    SIGINT raises ``KeyboardInterrupt`` there even where the sweep started with it ignored (in the
-    background of a script: a shell starts such commands with SIGINT ignored). The jobs it submits inherit
-    that: submitit cancels a local job with SIGINT, which an ignored SIGINT would leave training."""
+    an ignored SIGINT (a script's background command: the shell starts it so) raises ``KeyboardInterrupt``
+    there instead, because the jobs the sweep submits inherit an ignored SIGINT, with which submitit cancels
+    a local job: they would train on. A SIGINT handler of the app's own is left alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -251,11 +251,13 @@ def _stop_signals() -> Iterator[None]:
     def _exit(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
 
-    previous = signal.signal(signal.SIGTERM, _exit), signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _exit)}
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
-        for signum, handler in zip((signal.SIGTERM, signal.SIGINT), previous, strict=True):
+        for signum, handler in previous.items():
             if handler is not None:  # None: installed outside Python, which cannot be put back from here
                 signal.signal(signum, handler)
 
