@@ -665,6 +665,31 @@ def test_a_gone_sweeps_trial_is_taken_over_under_its_number_its_job_waited_for_t
     assert trials[0].value == gone.params["x"] and trials[0].user_attrs[OWNER] == "this-sweep"
 
 
+def test_while_trials_run_an_ignored_sigint_stops_the_sweep_and_an_apps_own_handler_stays():
+    """An ignored SIGINT (a script's background command), which the submitted jobs would inherit, is
+    KeyboardInterrupt while trials run and ignored again after; SIGTERM is SystemExit(143); an app's own
+    SIGINT handler is left in place."""
+    from hydra_plugins.distsync_optuna_sweeper._study import _stop_signals
+
+    def own(signum, frame):
+        pass
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        for handler, during in ((signal.SIG_IGN, signal.default_int_handler), (own, own)):
+            signal.signal(signal.SIGINT, handler)
+            with _stop_signals():
+                assert signal.getsignal(signal.SIGINT) is during
+                with pytest.raises(SystemExit) as stopped:
+                    signal.raise_signal(signal.SIGTERM)
+                assert stopped.value.code == 143
+            assert signal.getsignal(signal.SIGINT) is handler
+            assert signal.getsignal(signal.SIGTERM) is before[1]
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
+
+
 class _WaitingJob:
     """A submitit job that never produces a result, and records its cancellation."""
 
@@ -685,9 +710,9 @@ class _WaitingJob:
 
 def test_a_stopping_sweep_cancels_the_job_of_a_slot_that_stopped_first(tmp_path):
     """SIGTERM or Ctrl-C stops the slots, then cancels the jobs they wait for: a slot that stops before
-    the cancel (its wait wakes at once) leaves its job listed, so that job is cancelled too (it was not: a
-    sweep SIGTERMed under load left both its jobs training); a slot asked to run a trial once the sweep
-    is stopping submits nothing."""
+    the cancel (its wait wakes at once) leaves its job listed, so that job is cancelled too (before, the
+    slot took it off the list first, and whichever thread ran first decided); a slot asked to run a trial
+    once the sweep is stopping submits nothing."""
     from hydra_plugins.distsync_optuna_sweeper._slots import SubmititJobs, _Stopped
 
     launcher = SimpleNamespace(_EXECUTOR="local", params={"submitit_folder": str(tmp_path / ".submitit")})
