@@ -18,7 +18,7 @@ from distsync import _torch_compat
 from distsync._syncbn import checkpointing as _checkpointing
 from distsync._syncbn import compiled as _compiled
 from distsync._syncbn import fx as _fx
-from distsync._syncbn.payload import Reducer, SyncState, process_group_reducer
+from distsync._syncbn.payload import Reducer, SyncState, process_group_reducer, stat_dtype
 from distsync._syncbn.unwrapped import meet_callers
 from distsync.functional import SyncBatchNormFunction, SyncCall
 from distsync.groups import GroupSpec, as_process_group
@@ -31,9 +31,6 @@ __all__ = [
     "DistSyncBatchNorm3d",
     "DistSyncSyncBatchNorm",
 ]
-
-# Input dtypes whose batch norm may take float32 parameters and running statistics (torch's mixed precision)
-_REDUCED = (torch.float16, torch.bfloat16)
 
 # nn.BatchNorm takes ``bias`` from torch 2.12 on; before, its layers always have a bias when affine.
 _TAKES_BIAS = "bias" in inspect.signature(_BatchNorm.__init__).parameters
@@ -245,10 +242,10 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
             return f"{self._layer_name()}: expected a floating-point input, got {input.dtype}"
         if not eps > 0:  # what F.batch_norm checks in training
             return f"{self._layer_name()}: batch_norm eps must be positive during training, got {eps}"
-        # Each in the input's dtype, or float32 for a reduced-precision input (torch's mixed precision, and
-        # FSDP2's: bfloat16 parameters, float32 running statistics). nn.BatchNorm refuses the rest, in eval
+        # Each in the input's dtype or its statistics' (float32 for a half input: torch's mixed precision, and
+        # FSDP2's bfloat16 parameters with float32 running statistics). nn.BatchNorm refuses the rest, in eval
         # mode too (a float64 input into a float32 layer, a float32 input into a half one).
-        allowed = (input.dtype, torch.float32) if input.dtype in _REDUCED else (input.dtype,)
+        allowed = (input.dtype, stat_dtype(input.dtype))
         wrong = next((t.dtype for t in tensors if t is not None and t.dtype not in allowed), None)
         if wrong is not None:
             return (
