@@ -2,7 +2,9 @@
 
 Inductor generates the kernels (Triton on a GPU); the synchronized calls are traced whole, their all-reduces
 functional collectives in the graph, so ``fullgraph=True`` compiles the model as one graph per direction or
-raises. Both ranks share the GPU over gloo (see part 1). Compared over 3 training steps with an eager copy:
+raises. The dry run on the CPU traces the same graphs but runs them with ``aot_eager``: a cold inductor
+build of C++ kernels takes over a minute there, and ``tests/test_compile.py`` already checks inductor on the
+CPU. Both ranks share the GPU over gloo (see part 1). Compared over 3 training steps with an eager copy:
 outputs, input and parameter gradients, running statistics and ``num_batches_tracked``.
 """
 
@@ -11,7 +13,7 @@ from __future__ import annotations
 import time
 
 import torch
-from common import Findings, model_errors, rank_device, relative_error, small_convnet
+from common import Findings, model_errors, quick, rank_device, relative_error, small_convnet
 
 import distsync
 from distsync.testing import run_world
@@ -39,7 +41,8 @@ def _compiled_vs_eager(rank: int, world_size: int, device: str) -> tuple[dict[st
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     eager, compiled_model = small_convnet().to(place), small_convnet().to(place)
-    compiled = torch.compile(compiled_model, fullgraph=True)
+    backend = "aot_eager" if quick(device) else "inductor"
+    compiled = torch.compile(compiled_model, fullgraph=True, backend=backend)
     gen = torch.Generator().manual_seed(rank)
     worst: dict[str, float] = {}
     first_step = 0.0
