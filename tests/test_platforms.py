@@ -17,8 +17,9 @@ except ModuleNotFoundError:  # Python 3.10
 
 
 def _ci_runs() -> list[tuple[str, str]]:
-    """(torch release, Python) of every ``.ci/torch_release.sh`` line of ``.ci/run``."""
-    return re.findall(r"^bash \.ci/torch_release\.sh (\S+) (\S+)$", (ROOT / ".ci" / "run").read_text(), re.M)
+    """(torch release, Python) of every line of ``.ci/run``'s ``releases`` function."""
+    (body,) = re.findall(r"^releases\(\) \{\n(.*?)^\}", (ROOT / ".ci" / "run").read_text(), re.M | re.S)
+    return re.findall(r'^\s+"\$@" (\S+) (\S+)$', body, re.M)
 
 
 def test_ci_runs_the_oldest_and_newest_python_and_the_oldest_torch_claimed():
