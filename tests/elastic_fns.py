@@ -113,6 +113,24 @@ def put_rank(queue):
     return "put"
 
 
+class PickledSlowly:
+    """Pickled only after a second: ``multiprocessing.Queue.put`` leaves the pickling to its feeder thread,
+    so the rank's function has returned well before the queue has sent it. Arrives as the int."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self):
+        time.sleep(1.0)
+        return int, (self.value,)
+
+
+def put_rank_pickled_slowly(queue):
+    """Puts its rank on the queue and returns at once, the rank still to be pickled and sent."""
+    queue.put(PickledSlowly(int(os.environ["RANK"])))
+    return "put"
+
+
 def flush_at_exit(path):
     """Registers an exit handler, as loggers that flush at exit do; it must still run."""
     import atexit

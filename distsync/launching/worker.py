@@ -442,18 +442,23 @@ def _forked_children_die_with_this_rank() -> None:
         context.set_forkserver_preload(["__main__", _RANK_FORK_SERVER_MODULE])
 
 
+_LAST_EXIT_PRIORITY = -(2**31)  # below every priority multiprocessing's own finalizers take
+
+
 def _exit_handlers_of_this_worker_only() -> None:
     """A forked worker (``fork``, ``forkserver``) holds the exit handlers of the process it was forked from
     (the launching process's, the fork server's), and ``multiprocessing`` ends it with ``os._exit``, which
-    runs none. Drop the inherited ones, and run this worker's own as ``multiprocessing`` ends the process
-    (its last finalizer), as a spawned worker's run at its exit. ``atexit._clear``/``_run_exitfuncs``:
-    CPython's, 3.x (tests/test_private_apis.py checks them)."""
+    runs none. Drop the inherited ones, and run this worker's own as ``multiprocessing`` ends the process,
+    after every other finalizer, as a spawned worker's run at its exit: after a ``multiprocessing.Queue``'s
+    feeder thread has sent what ``put`` left it (joined at priority -5), since the last exit handler ends
+    the process (:func:`_end_without_teardown`). ``atexit._clear``/``_run_exitfuncs``: CPython's, 3.x
+    (tests/test_private_apis.py checks them)."""
     import multiprocessing.util
 
     if not (hasattr(atexit, "_clear") and hasattr(atexit, "_run_exitfuncs")):
         return
     atexit._clear()
-    multiprocessing.util.Finalize(None, atexit._run_exitfuncs, exitpriority=-1)
+    multiprocessing.util.Finalize(None, atexit._run_exitfuncs, exitpriority=_LAST_EXIT_PRIORITY)
 
 
 def _rank_zero_only_from_environment(rank: int) -> None:
