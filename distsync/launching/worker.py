@@ -82,7 +82,9 @@ def pack(fn: Callable, cfg: Any) -> Pickled | tuple[Any, Any]:
     workers cannot import (``python -c``, ``python - < script``, a notebook), or that this process itself
     received by value (a task function and its config dataclass in a job of Hydra's submitit launcher).
     A ``cfg`` holding objects that only multiprocessing may pickle, as it starts a worker (a ``Queue``),
-    is left to multiprocessing (``fn`` then travels on its own, by value if it must).
+    is left to multiprocessing; ``fn`` then travels on its own, pickled here (by value if it must) and
+    unpickled in the worker once that has imported the launching script (a function of a script's
+    ``__main__`` is found there only then).
     """
     sent = _by_reference(fn) if main_is_importable() else None
     if sent is not None:
@@ -91,7 +93,7 @@ def pack(fn: Callable, cfg: Any) -> Pickled | tuple[Any, Any]:
         except (pickle.PicklingError, TypeError, AttributeError):
             pass
         except RuntimeError:  # "... should only be shared between processes through inheritance"
-            return sent, cfg
+            return Pickled(pickle.dumps(sent)), cfg
     try:
         return by_value((fn, cfg), f"{fn!r} and its config")
     except RuntimeError:  # as above: cloudpickle meets the same refusal
