@@ -20,14 +20,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from elastic_fns import (
-    end_as,
-    fail_on_rank_one,
-    flush_at_exit,
-    put_rank,
-    put_rank_pickled_slowly,
-    rank_and_config,
-)
+from elastic_fns import end_as, fail_on_rank_one, flush_at_exit, put_rank, rank_and_config
 from launching import copy_example_app, job_env, run_job
 
 import distsync
@@ -239,16 +232,21 @@ def test_a_config_only_multiprocessing_may_pickle_still_reaches_the_workers(monk
 
 @pytest.mark.parametrize("start_method", ["spawn", "fork", "forkserver"])
 def test_what_a_rank_put_on_a_queue_arrives_though_its_queue_had_not_sent_it_when_the_rank_returned(
-    start_method, monkeypatch
+    start_method,
 ):
     """A rank ends once its queues' feeder threads have sent what ``put`` left them, as a process of
     ``multiprocessing`` does; before, a forked rank's last exit handler could end it first, and the items
-    were lost."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    queue = multiprocessing.get_context("spawn").Queue()
-    result = distsync.launch(put_rank_pickled_slowly, queue, nproc_per_node=2, start_method=start_method)
-    assert result == "put"
-    assert sorted(queue.get(timeout=60) for _ in range(2)) == [0, 1]
+    were lost. From a process of its own, as fork needs."""
+    code = (
+        "import multiprocessing, distsync, elastic_fns\n"
+        "queue = multiprocessing.get_context('spawn').Queue()\n"
+        "result = distsync.launch(elastic_fns.put_rank_pickled_slowly, queue, nproc_per_node=2,\n"
+        f"                         start_method={start_method!r})\n"
+        "print(result, sorted(queue.get(timeout=60) for _ in range(2)))\n"
+    )
+    proc = run_job([sys.executable, "-c", code], cwd=Path(__file__).parent, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "put [0, 1]"
 
 
 _SCRIPT_WITH_A_QUEUE = """
