@@ -249,7 +249,7 @@ def test_what_a_rank_put_on_a_queue_arrives_though_its_queue_had_not_sent_it_whe
     assert proc.stdout.strip().splitlines()[-1] == "put [0, 1]"
 
 
-_SCRIPT_WITH_A_QUEUE = """
+_MAIN_WITH_A_QUEUE = """
 import multiprocessing, os, sys
 import distsync
 
@@ -264,31 +264,22 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("start_method", ["spawn", "forkserver"])
-def test_a_scripts_own_function_takes_a_config_only_multiprocessing_may_pickle(tmp_path, start_method):
-    """``python script.py``: the script's function goes by reference, the queue is left to multiprocessing,
-    and the worker finds the function once it has imported the script. Before: the function went along with
-    the queue, and a worker that had not imported the script yet could not unpickle it (AttributeError)."""
-    script = tmp_path / "script.py"
-    script.write_text(_SCRIPT_WITH_A_QUEUE)
-    proc = run_job([sys.executable, str(script), start_method], cwd=tmp_path, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip().splitlines()[-1] == "put [0, 1]"
-
-
-def test_a_function_sent_by_value_still_takes_a_config_only_multiprocessing_may_pickle():
-    """``python -c`` (a notebook alike): the function goes by value, the queue is left to multiprocessing.
-    Before: cloudpickle met the queue's refusal and the launch raised RuntimeError."""
-    code = (
-        "import multiprocessing, os, distsync\n"
-        "def put_rank(queue):\n"
-        "    queue.put(int(os.environ['RANK']))\n"
-        "    return 'put'\n"
-        "queue = multiprocessing.get_context('spawn').Queue()\n"
-        "result = distsync.launch(put_rank, queue, nproc_per_node=2)\n"
-        "print(result, sorted(queue.get(timeout=60) for _ in range(2)))\n"
-    )
-    proc = run_job([sys.executable, "-c", code], cwd=Path(__file__).parent, timeout=120)
+@pytest.mark.parametrize(
+    ("how", "start_method"), [("-c", "forkserver"), ("script", "spawn"), ("script", "forkserver")]
+)
+def test_a_main_function_takes_a_config_only_multiprocessing_may_pickle(tmp_path, how, start_method):
+    """The function of the launching ``__main__`` with a queue for its config, which is left to
+    multiprocessing. ``python -c`` (a notebook alike): the function goes by value; before, cloudpickle met
+    the queue's refusal and the launch raised RuntimeError. ``python script.py``: it goes by reference,
+    and the worker finds it once it has imported the script; before, it went along with the queue, and a
+    worker that had not imported the script yet could not unpickle it (AttributeError)."""
+    if how == "-c":
+        command = [sys.executable, "-c", _MAIN_WITH_A_QUEUE, start_method]
+    else:
+        script = tmp_path / "script.py"
+        script.write_text(_MAIN_WITH_A_QUEUE)
+        command = [sys.executable, str(script), start_method]
+    proc = run_job(command, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "put [0, 1]"
 
