@@ -387,12 +387,16 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
             tensors = (weight, bias, running_mean, running_var)
             problem = self._input_problem(input, channels, eps, check_dim, tensors)
         if compiled:
-            if problem is not None:  # shapes and dtypes are static while tracing
+            if problem is not None:  # shapes and dtypes are static while tracing: refused at trace time
+                _compiled.refuse(self._compile_key)
                 raise ValueError(problem)
             return _compiled.sync_batch_norm(
                 self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,
                 channels,
             )  # fmt: skip
+        if problem is not None and self._counters.refused:  # dynamo's eager rerun of a call it refused
+            self._counters.refused = False
+            raise ValueError(problem)
         arguments = (weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps, channels)
         if has_torch_function((input,)):
             # A tensor subclass (MONAI's MetaTensor, ...) wraps the call as it wraps F.batch_norm's: the

@@ -91,6 +91,31 @@ def test_compiled_calls_are_checked_by_check_sync_on_every_rank():
         assert message is not None and "out of step" in message
 
 
+def _compiled_rejected_input(rank, world_size, fullgraph):
+    layer = torch.compile(distsync.DistSyncBatchNorm2d(4), fullgraph=fullgraph, backend="aot_eager")
+    layer(torch.randn(3, 4, 2, 2))
+    try:
+        layer(torch.randn(3, 3 if rank == 1 else 4, 2, 2))  # rank 1: a batch of 3 channels
+        distsync.check_sync()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+@pytest.mark.parametrize("fullgraph", [True, False] if FULLGRAPH else [False])
+def test_a_rank_whose_compiled_call_rejects_its_input_fails_it_on_every_rank(fullgraph):
+    """The rank that rejects its input raises the problem (at trace time: shapes are static there; under
+    ``fullgraph=True`` inside dynamo's error) after taking part in the call's all-reduce with its failure
+    flagged, so that its peer's compiled call holds the failure and ``check_sync()`` raises it there: no
+    peer waits for an all-reduce nobody makes."""
+    (peer_kind, peer_message), (kind, message) = run_world(_compiled_rejected_input, 2, fullgraph)
+    assert "expected 4 channels in dimension 1" in message, message
+    assert kind == ("ValueError" if not fullgraph else kind)
+    assert peer_kind == "SyncError", peer_message
+    assert "1 other participant(s) rejected their input" in peer_message, peer_message
+    assert "forward call #1" in peer_message, peer_message
+
+
 def _nan_statistics(rank, world_size):
     torch.manual_seed(0)
     batches = [torch.randn(4, 3, 2, 2) for _ in range(world_size)]

@@ -11,9 +11,12 @@ Outside the traced code, at trace time, :func:`prepare` resolves the layer's ide
 eager mode: ``identity.resolve``) and the tail template; the tensors are the layer's ``Counters``, made
 with it and moved with it. Verdicts are never read in the graph:
 the first bad call's reduced tail is kept on the device and raised by :func:`distsync.check_sync`, which
-every rank calls at the same point. Limits: the backward all-reduce carries no identity tail (the forward
-one does), a rank with a rejected input raises when its graph is traced (its peers wait in the all-reduce
-until the process group's timeout), and compiled and eager ranks do not sync with each other.
+every rank calls at the same point. A rank that rejects a call's input knows it while tracing (shapes
+and dtypes are static there): :func:`refuse` makes its side of the call's all-reduce, its failure flagged,
+before the traced code raises the problem; the peers' ``check_sync`` raises the failure where that call is
+the first synchronized call of the graph (a rejected model input), else the earlier call it met out of
+step. Limits: the backward all-reduce carries no identity tail (the forward one does), and compiled and
+eager ranks do not sync with each other.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from distsync._syncbn import payload as _payload
 from distsync._syncbn.payload import (
     CALL,
     COUNT,
+    FAILED,
     FORWARD,
     GUARD,
     LAYER_DIGITS,
@@ -41,7 +45,7 @@ from distsync._syncbn.payload import (
 )
 from distsync._syncbn.unwrapped import meet_callers
 
-__all__ = ["TRACEABLE", "prepare", "register", "sync_batch_norm"]
+__all__ = ["TRACEABLE", "prepare", "refuse", "register", "sync_batch_norm"]
 
 # Whether this torch's compiler traces the synchronized call whole (validated on 2.11 to 2.14; 2.4 and
 # 2.6 fail on dynamic shapes, batch-norm subclasses' routing mode or the collective's gradient). Elsewhere a
@@ -58,12 +62,14 @@ class Counters:
         self.calls = torch.zeros((), dtype=torch.int64, device=device)
         self.bad = torch.zeros((), dtype=torch.bool, device=device)  # a call failed since check_sync()
         self.bad_tail = torch.zeros(TAIL, dtype=torch.int64, device=device)  # first such reduced tail
+        self.refused = False  # a call's input was refused at trace time: see refuse
 
     def to(self, device) -> Counters:
         if self.calls.is_meta:  # a layer built on meta has made no call: fresh counters where it goes
             return Counters(device)
         moved = Counters.__new__(Counters)
         moved.calls, moved.bad, moved.bad_tail = (t.to(device) for t in (self.calls, self.bad, self.bad_tail))
+        moved.refused = self.refused
         return moved
 
 
@@ -126,6 +132,34 @@ def _template(world_size: int, first: bool, identity: int) -> tuple[list[float],
     squares = [0.0] * TAIL
     squares[SQUARES.stop - 1], squares[GUARD] = 1.0, -float(world_size)
     return row, squares
+
+
+def refuse(key: int) -> int:
+    """Run at trace time, outside the graph, for the layer registered under ``key`` when this rank rejects
+    the call's input: take part in the call's all-reduce as the peers' compiled graphs make it, with this
+    rank's failure flagged in the tail, so that their verdict of the call holds it (:func:`distsync.
+    check_sync` raises it on each of them). The traced code then raises the problem itself (a message made
+    of the traced input's sizes, which dynamo cannot hand to this function): under ``fullgraph=True`` as
+    dynamo's error, which quotes it; otherwise dynamo traces the frame again to break the graph there and
+    runs the call eagerly, where ``Counters.refused`` makes it raise the problem, sending nothing more."""
+    layer = _layers[key]()
+    t: Counters = layer._counters
+    if t.refused:  # dynamo traces the frame again to break its graph there: sent already
+        return 0
+    row, squares, modulus = layer._sync_template
+    call = float(int(t.calls) % modulus)
+    tail = torch.tensor(row, dtype=torch.float64) + call * call * torch.tensor(squares, dtype=torch.float64)
+    tail[CALL] += call
+    tail[FAILED], tail[GUARD] = 1.0, tail[GUARD] - 1.0  # no values (count 0), failed, guard lowered
+    channels = layer.num_features
+    payload = torch.cat([torch.zeros(2 * channels + _padding(channels), dtype=torch.float64), tail])
+    dist.all_reduce(payload.to(t.calls.device), group=layer.process_group or dist.group.WORLD)
+    t.calls.add_(1)
+    t.refused = True
+    return 0
+
+
+_torch_compat.mark_constant_for_dynamo(refuse)
 
 
 def sync_batch_norm(
