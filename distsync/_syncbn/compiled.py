@@ -58,11 +58,14 @@ class Counters:
     """A layer's tensors for compiled calls (mutated in place by the graph; integers, so that casting a
     model to another floating dtype leaves them alone; moved with the module)."""
 
+    # A call's input was refused at trace time (see refuse). On the class, so that layers pickled before
+    # the flag existed have it too.
+    refused = False
+
     def __init__(self, device=None) -> None:
         self.calls = torch.zeros((), dtype=torch.int64, device=device)
         self.bad = torch.zeros((), dtype=torch.bool, device=device)  # a call failed since check_sync()
         self.bad_tail = torch.zeros(TAIL, dtype=torch.int64, device=device)  # first such reduced tail
-        self.refused = False  # a call's input was refused at trace time: see refuse
 
     def to(self, device) -> Counters:
         if self.calls.is_meta:  # a layer built on meta has made no call: fresh counters where it goes
