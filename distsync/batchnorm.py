@@ -388,7 +388,7 @@ class DistSyncBatchNorm(BatchNormNd, _BatchNorm):
             problem = self._input_problem(input, channels, eps, check_dim, tensors)
         if compiled:
             if problem is not None:  # shapes and dtypes are static while tracing: refused at trace time
-                _compiled.refuse(self._compile_key)
+                _compiled.refuse(self._compile_key, channels)
                 raise ValueError(problem)
             return _compiled.sync_batch_norm(
                 self, input, weight, bias, running_mean, running_var, num_batches_tracked, momentum, eps,

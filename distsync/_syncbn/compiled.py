@@ -137,14 +137,15 @@ def _template(world_size: int, first: bool, identity: int) -> tuple[list[float],
     return row, squares
 
 
-def refuse(key: int) -> int:
+def refuse(key: int, channels: int) -> int:
     """Run at trace time, outside the graph, for the layer registered under ``key`` when this rank rejects
-    the call's input: take part in the call's all-reduce as the peers' compiled graphs make it, with this
-    rank's failure flagged in the tail, so that their verdict of the call holds it (:func:`distsync.
-    check_sync` raises it on each of them). The traced code then raises the problem itself (a message made
-    of the traced input's sizes, which dynamo cannot hand to this function): under ``fullgraph=True`` as
-    dynamo's error, which quotes it; otherwise dynamo traces the frame again to break the graph there and
-    runs the call eagerly, where ``Counters.refused`` makes it raise the problem, sending nothing more."""
+    the input of a call of ``channels`` channels: take part in the call's all-reduce as the peers' compiled
+    graphs make it, with this rank's failure flagged in the tail, so that their verdict of the call holds
+    it (:func:`distsync.check_sync` raises it on each of them). The traced code then raises the problem
+    itself (a message made of the traced input's sizes, which dynamo cannot hand to this function): under
+    ``fullgraph=True`` as dynamo's error, which quotes it; otherwise dynamo traces the frame again to break
+    the graph there and runs the call eagerly, where ``Counters.refused`` makes it raise the problem,
+    sending nothing more."""
     layer = _layers[key]()
     t: Counters = layer._counters
     if t.refused:  # dynamo traces the frame again to break its graph there: sent already
@@ -154,7 +155,6 @@ def refuse(key: int) -> int:
     tail = torch.tensor(row, dtype=torch.float64) + call * call * torch.tensor(squares, dtype=torch.float64)
     tail[CALL] += call
     tail[FAILED], tail[GUARD] = 1.0, tail[GUARD] - 1.0  # no values (count 0), failed, guard lowered
-    channels = layer.num_features
     payload = torch.cat([torch.zeros(2 * channels + _padding(channels), dtype=torch.float64), tail])
     dist.all_reduce(payload.to(t.calls.device), group=layer.process_group or dist.group.WORLD)
     t.calls.add_(1)
