@@ -116,6 +116,43 @@ def test_a_rank_whose_compiled_call_rejects_its_input_fails_it_on_every_rank(ful
     assert "forward call #1" in peer_message, peer_message
 
 
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = distsync.DistSyncBatchNorm2d(4), distsync.DistSyncBatchNorm2d(4)
+        self.narrow = False  # the second layer gets 3 of the 4 channels
+
+    def forward(self, x):
+        x = self.first(x)
+        return self.second(x[:, :3] if self.narrow else x)
+
+
+def _compiled_rejected_deeper(rank, world_size):
+    model = _TwoLayers()
+    compiled = torch.compile(model, backend="aot_eager")
+    compiled(torch.randn(3, 4, 2, 2))
+    model.narrow = rank == 1
+    try:
+        compiled(torch.randn(3, 4, 2, 2))
+        distsync.check_sync()
+    except Exception as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+def test_a_compiled_call_rejected_deeper_in_the_graph_still_fails_on_every_rank():
+    """Rejected at the graph's second synchronized call: the refusal's all-reduce meets the peer's first
+    call (the rejecting rank has not run its graph yet), so the peer's ``check_sync()`` raises that call out
+    of step; the rejecting rank raises the problem. An error on both, no wait. (Where the compiler cannot
+    trace the sync, each call runs eagerly: the peer raises the rejection itself.)"""
+    (peer_kind, peer_message), (kind, message) = run_world(_compiled_rejected_deeper, 2)
+    assert kind == "ValueError" and "'second'" in message and "expected 4 channels" in message, message
+    if FULLGRAPH:
+        assert peer_kind == "SyncMismatchError" and "'first'" in peer_message, peer_message
+    else:
+        assert peer_kind == "SyncError" and "rejected their input at 'second'" in peer_message, peer_message
+
+
 def _nan_statistics(rank, world_size):
     torch.manual_seed(0)
     batches = [torch.randn(4, 3, 2, 2) for _ in range(world_size)]
