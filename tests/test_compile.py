@@ -143,12 +143,14 @@ def _compiled_rejected_deeper(rank, world_size):
 def test_a_compiled_call_rejected_deeper_in_the_graph_still_fails_on_every_rank():
     """Rejected at the graph's second synchronized call: the refusal's all-reduce meets the peer's first
     call (the rejecting rank has not run its graph yet), so the peer's ``check_sync()`` raises that call out
-    of step; the rejecting rank raises the problem. An error on both, no wait. (Where the compiler cannot
-    trace the sync, each call runs eagerly: the peer raises the rejection itself.)"""
+    of step, saying a participant had rejected its input; the rejecting rank raises the problem. An error
+    on both, no wait. (Where the compiler cannot trace the sync, each call runs eagerly: the peer raises
+    the rejection itself.)"""
     (peer_kind, peer_message), (kind, message) = run_world(_compiled_rejected_deeper, 2)
     assert kind == "ValueError" and "'second'" in message and "expected 4 channels" in message, message
     if FULLGRAPH:
         assert peer_kind == "SyncMismatchError" and "'first'" in peer_message, peer_message
+        assert "1 of them had rejected their input" in peer_message, peer_message
     else:
         assert peer_kind == "SyncError" and "rejected their input at 'second'" in peer_message, peer_message
 

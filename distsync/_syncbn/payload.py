@@ -409,10 +409,12 @@ def verdict(tail: list[float], world_size: int) -> Verdict:
 def raise_for(result: Verdict, tag: CallTag, world_size: int, problem: str | None, training: bool) -> None:
     """Raise the error ``result`` calls for at ``tag``: the same on every rank but the one that failed."""
     if result.disagreeing:
+        # a rank that rejected its input may have sent in place of another call (a compiled graph's)
+        rejected = f" {result.failed} of them had rejected their input." if result.failed else ""
         raise SyncMismatchError(
             f"ranks are out of step at {tag.describe()}: the {world_size} participants disagree on "
-            f"{', '.join(result.disagreeing)}. Every rank must call the same synchronized BN layers in the "
-            "same order and the same number of times (check data-dependent branches)."
+            f"{', '.join(result.disagreeing)}.{rejected} Every rank must call the same synchronized BN "
+            "layers in the same order and the same number of times (check data-dependent branches)."
         )
     if result.failed:
         if problem is not None:
