@@ -110,7 +110,8 @@ def test_a_rank_whose_compiled_call_rejects_its_input_fails_it_on_every_rank(ful
     peer waits for an all-reduce nobody makes."""
     (peer_kind, peer_message), (kind, message) = run_world(_compiled_rejected_input, 2, fullgraph)
     assert "expected 4 channels in dimension 1" in message, message
-    assert kind == ("ValueError" if not fullgraph else kind)
+    if not fullgraph:  # under fullgraph: dynamo's own error, quoting the ValueError
+        assert kind == "ValueError", kind
     assert peer_kind == "SyncError", peer_message
     assert "1 other participant(s) rejected their input" in peer_message, peer_message
     assert "forward call #1" in peer_message, peer_message
