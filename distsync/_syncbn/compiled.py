@@ -33,7 +33,6 @@ from distsync._syncbn import payload as _payload
 from distsync._syncbn.payload import (
     CALL,
     COUNT,
-    FAILED,
     FORWARD,
     GUARD,
     LAYER_DIGITS,
@@ -151,12 +150,9 @@ def refuse(key: int, channels: int) -> int:
     if t.refused:  # dynamo traces the frame again to break its graph there: sent already
         return 0
     row, squares, modulus = layer._sync_template
-    call = float(int(t.calls) % modulus)
-    tail = torch.tensor(row, dtype=torch.float64) + call * call * torch.tensor(squares, dtype=torch.float64)
-    tail[CALL] += call
-    tail[FAILED], tail[GUARD] = 1.0, tail[GUARD] - 1.0  # no values (count 0), failed, guard lowered
-    payload = torch.cat([torch.zeros(2 * channels + _padding(channels), dtype=torch.float64), tail])
-    dist.all_reduce(payload.to(t.calls.device), group=layer.process_group or dist.group.WORLD)
+    tail = _call_tail(row, squares, float(int(t.calls) % modulus), t.calls.device)  # no values: count 0
+    payload = _payload.failed_row(torch.cat([tail.new_zeros(2 * channels + _padding(channels)), tail]))
+    dist.all_reduce(payload, group=layer.process_group or dist.group.WORLD)
     t.calls.add_(1)
     t.refused = True
     return 0
@@ -194,11 +190,9 @@ def sync_batch_norm(
     first = wide.sum(dims)
     second = (wide * wide).sum(dims)
     row, squares, modulus = layer._sync_template
-    template = torch.tensor(row, dtype=torch.float64, device=input.device)
-    call = t.calls.remainder(modulus).to(torch.float64)
-    tail = template + call * _unit(CALL, template) + call * call * template.new_tensor(squares)
-    tail = tail + n * _unit(COUNT, template)
-    pad = template.new_zeros(_padding(c))  # the eager payload's size class
+    tail = _call_tail(row, squares, t.calls.remainder(modulus).to(torch.float64), input.device)
+    tail = tail + n * _unit(COUNT, tail)
+    pad = tail.new_zeros(_padding(c))  # the eager payload's size class
     payload = torch.cat([first, second, pad, tail])
     group = layer.process_group or dist.group.WORLD
     reduced = _SumOverRanks.apply(payload, group)
@@ -241,6 +235,13 @@ class _SumOverRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         return _torch_compat.traceable_all_reduce(grad, ctx.group), None
+
+
+def _call_tail(row: list[float], squares: list[float], call, device) -> Tensor:
+    """The forward tail of call number ``call`` (a float, or a float64 tensor in the graph) with a count
+    of 0, from the layer's template (:func:`_template`), on ``device``."""
+    template = torch.tensor(row, dtype=torch.float64, device=device)
+    return template + call * _unit(CALL, template) + call * call * template.new_tensor(squares)
 
 
 def _padding(channels: int) -> int:
