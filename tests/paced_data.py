@@ -22,16 +22,22 @@ from distsync.train.data import load_data
 
 SECONDS_PER_BATCH = 0.05
 
-# Overrides of the packaged job (Hydra's command line) that make its training data paced; the job's
-# processes import this module (``launching.job_env`` puts the tests' folder on their PYTHONPATH).
-PACED = [
-    "data.num_workers=0",  # read by the rank itself, which then sleeps
-    "+data.train._target_=paced_data.PacedSynthetic",
-    "+data.train.split=train",
-    f"+data.train.seconds_per_batch={SECONDS_PER_BATCH}",
-    "+data.test._target_=paced_data.PacedSynthetic",
-    "+data.test.split=test",
-]
+
+def paced(seconds_per_batch: float) -> list[str]:
+    """Overrides of the packaged job (Hydra's command line) that make its training data paced, each batch
+    read in at least ``seconds_per_batch``; the job's processes import this module (``launching.job_env``
+    puts the tests' folder on their PYTHONPATH)."""
+    return [
+        "data.num_workers=0",  # read by the rank itself, which then sleeps
+        "+data.train._target_=paced_data.PacedSynthetic",
+        "+data.train.split=train",
+        f"+data.train.seconds_per_batch={seconds_per_batch}",
+        "+data.test._target_=paced_data.PacedSynthetic",
+        "+data.test.split=test",
+    ]
+
+
+PACED = paced(SECONDS_PER_BATCH)
 
 
 class PacedSynthetic(Dataset):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from launching import ROOT, SCRIPT, job_env, summary
-from paced_data import PACED
+from paced_data import PACED, paced
 from slurm_cluster import SlurmCluster
 
 from distsync.launching.slurm_rendezvous import slurm_port, slurm_ports
@@ -44,6 +44,9 @@ TINY = [
 # of N steps trains for N * SECONDS_PER_BATCH seconds or more on any machine, mostly asleep.
 TINY_PACED = [*TINY, *PACED]
 TRIAL = [option for option in TINY_PACED if not option.startswith("trainer.max_steps=")]  # a study's trial
+# A job that trains until the test stops it (it has no end of its own): paced slower still, since each of its
+# steps is CPU taken from the tests that run beside it, and it needs only to go on training
+UNTIL_STOPPED = [*TINY, *paced(0.25), "trainer.max_steps=1000000"]
 SMALL = ["--cpus-per-task=1"]  # the script asks for 4 cores per node: two jobs at once share these nodes
 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")  # the states of a job that has ended
@@ -237,7 +240,7 @@ def test_two_jobs_sharing_their_first_node_meet_apart(slurm_cluster, tmp_path):
     that a fast machine cannot finish it before the second has run)."""
     first_dir, second_dir = tmp_path / "first", tmp_path / "second"
     first_dir.mkdir(), second_dir.mkdir()
-    first = submit(slurm_cluster, first_dir, *TINY_PACED, "trainer.max_steps=1000000")
+    first = submit(slurm_cluster, first_dir, *UNTIL_STOPPED)
     first_run = first_dir / "outputs" / "slurm" / f"{first}.0"
     wait_until(lambda: len(train_steps(first_run)) >= 2, 120, "the first job does not train", slurm_cluster)
     second = submit(slurm_cluster, second_dir, *TINY)
@@ -270,9 +273,7 @@ def test_jobs_whose_ports_collide_and_a_port_another_program_holds_meet_apart(sl
     store and the program, meet at its third port and finish; every node of both ends as it should."""
     first_dir, second_dir = tmp_path / "first", tmp_path / "second"
     first_dir.mkdir(), second_dir.mkdir()
-    first = submit(
-        slurm_cluster, first_dir, *TINY_PACED, "trainer.max_steps=1000000", options=(*SMALL, "--hold")
-    )
+    first = submit(slurm_cluster, first_dir, *UNTIL_STOPPED, options=(*SMALL, "--hold"))
     slurm_cluster.number_next_job(int(first) + 10000)
     slurm_cluster.scontrol("release", first)
     ports = slurm_ports(int(first) + 10000)
@@ -338,7 +339,7 @@ def test_signal_before_the_time_limit_saves_and_the_script_requeues_itself(slurm
     steps ahead of the time limit; every rank saves, the script sees 143 and requeues the job, which resumes
     where it saved."""
     job_id = submit(
-        slurm_cluster, tmp_path, *TINY_PACED, "trainer.max_steps=1000000",
+        slurm_cluster, tmp_path, *UNTIL_STOPPED,
         options=(*SMALL, "--time=2", "--signal=TERM@30"),
     )  # fmt: skip
     run_dir = tmp_path / "outputs" / "slurm" / f"{job_id}.0"
