@@ -68,6 +68,21 @@ def mark_constant_for_dynamo(fn: Callable) -> Callable:
     return fn
 
 
+def traced_as_one_graph() -> bool:
+    """Whether the frame dynamo traces now must become one graph (``fullgraph=True``, export,
+    ``torch._dynamo.error_on_graph_break``): an exception in the traced code is then raised to the caller,
+    and no part of the frame runs eagerly after it. Read at trace time from dynamo's current instruction
+    translator (``InstructionTranslator.current_tx()``: ``one_graph`` and ``error_on_graph_break``, 2.11 to
+    2.14 at least); False where there is none or it cannot be read."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+    except (ImportError, AttributeError):
+        return False
+    return bool(getattr(tx, "one_graph", False) or getattr(tx, "error_on_graph_break", False))
+
+
 def graph_task_id() -> int:
     """The id of the backward pass the current thread runs (-1 outside any): ``torch._C.
     _current_graph_task_id`` (2.1 to 2.14 at least); -1 where it is gone."""

@@ -117,6 +117,32 @@ def test_a_rank_whose_compiled_call_rejects_its_input_fails_it_on_every_rank(ful
     assert "forward call #1" in peer_message, peer_message
 
 
+def _eager_after_a_fullgraph_refusal(rank, world_size):
+    plain = distsync.DistSyncBatchNorm2d(4)
+    compiled = torch.compile(plain, fullgraph=True, backend="aot_eager")
+    compiled(torch.randn(3, 4, 2, 2))
+    outcomes = []
+    for call in (compiled, plain):  # rank 1 rejects its input: compiled whole, then eagerly
+        try:
+            call(torch.randn(3, 3 if rank == 1 else 4, 2, 2))
+            distsync.check_sync()
+            outcomes.append(None)
+        except Exception as error:
+            outcomes.append((type(error).__name__, str(error)))
+    return outcomes
+
+
+@pytest.mark.skipif(not FULLGRAPH, reason="this torch cannot compile the synchronized call whole")
+def test_an_eager_call_after_a_fullgraph_refusal_fails_on_every_rank_again():
+    """Under ``fullgraph=True`` no eager rerun follows a refusal: the rank's next eager call with a rejected
+    input still takes part in its all-reduce, so the peer raises again instead of waiting for it."""
+    peer, rejecting = run_world(_eager_after_a_fullgraph_refusal, 2, timeout=90)
+    for kind, message in peer:  # the eager call's error was "Connection closed by peer" once rank 1 exited
+        assert kind == "SyncError" and "1 other participant(s) rejected their input" in message, message
+    kind, message = rejecting[1]
+    assert kind == "ValueError" and "expected 4 channels in dimension 1" in message, message
+
+
 class _TwoLayers(nn.Module):
     def __init__(self):
         super().__init__()

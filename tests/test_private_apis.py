@@ -16,6 +16,7 @@ import torch.utils.checkpoint
 
 from distsync import _torch_compat
 from distsync._syncbn import checkpointing as _checkpointing
+from distsync._syncbn import compiled as _compiled
 from distsync.launching import agent as _launch_agent
 from distsync.testing import run_world
 
@@ -38,6 +39,24 @@ def test_dynamo_assume_constant_result_only_sets_the_flag_distsync_sets():
     marked = torch._dynamo.assume_constant_result(probe)
     flags = vars(_torch_compat.mark_constant_for_dynamo(ours))
     assert vars(marked) == flags == {"_dynamo_marked_constant": True}
+
+
+@pytest.mark.skipif(not _compiled.TRACEABLE, reason="compiled.refuse runs only where the sync is traced")
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_constant_function_learns_at_trace_time_whether_the_frame_is_one_graph(fullgraph):
+    """``_torch_compat.traced_as_one_graph``, which a refusal under torch.compile reads (compiled.refuse)."""
+    seen = []
+
+    def probe() -> int:
+        seen.append(_torch_compat.traced_as_one_graph())
+        return 0
+
+    _torch_compat.mark_constant_for_dynamo(probe)
+    torch._dynamo.reset()  # traced anew: the other case's graph would be reused for the same code
+    compiled = torch.compile(lambda x: x + probe(), fullgraph=fullgraph, backend="eager")
+    assert compiled(torch.ones(1)).item() == 1
+    assert seen and all(one_graph is fullgraph for one_graph in seen), seen
+    assert _torch_compat.traced_as_one_graph() is False  # outside any tracing
 
 
 def test_current_graph_task_id_tells_a_backward_pass():

@@ -154,7 +154,8 @@ def refuse(key: int, channels: int) -> int:
     payload = _payload.failed_row(torch.cat([tail.new_zeros(2 * channels + _padding(channels)), tail]))
     dist.all_reduce(payload, group=layer.process_group or dist.group.WORLD)
     t.calls.add_(1)
-    t.refused = True
+    # Under fullgraph=True dynamo raises to the caller: no eager rerun follows, none must be waited for
+    t.refused = not _torch_compat.traced_as_one_graph()
     return 0
 
 
