@@ -2,7 +2,7 @@
 
 torch changes private names between releases without notice. Each one distsync relies on lives here,
 behind a function that says what it is for, and falls back to a public equivalent (slower or less
-informative, never wrong) where the private one is gone. ``tests/test_torch_apis.py`` checks every one of
+informative, never wrong) where the private one is gone. ``tests/test_private_apis.py`` checks every one of
 them on the installed release, so a release that changes one fails that named test in CI rather than a
 user's run taking the fallback unnoticed.
 """
@@ -36,6 +36,7 @@ __all__ = [
     "process_group_timeout",
     "set_ddp_ignored",
     "traceable_all_reduce",
+    "traced_as_one_graph",
     "without_dispatch_modes",
 ]
 

@@ -57,8 +57,8 @@ class Counters:
     """A layer's tensors for compiled calls (mutated in place by the graph; integers, so that casting a
     model to another floating dtype leaves them alone; moved with the module)."""
 
-    # A call's input was refused at trace time (see refuse). On the class, so that layers pickled before
-    # the flag existed have it too.
+    # A call's input was refused at trace time and dynamo will run that call eagerly (see refuse). On the
+    # class, so that layers pickled before the flag existed have it too.
     refused = False
 
     def __init__(self, device=None) -> None:
